@@ -1,0 +1,9 @@
+"""The one exception type for mistakes a user can fix (bad config, bad mesh, bad data settings).
+
+Entry points turn it into a one-paragraph message and exit code 2, with no traceback. Anything else that
+escapes is a bug in meshtrain and is allowed to traceback.
+"""
+
+
+class UserError(Exception):
+  """Raised for input a user can correct; the message says what is wrong and how to fix it."""
