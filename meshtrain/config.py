@@ -1,0 +1,175 @@
+"""Configs: Python files returning an `ml_collections.ConfigDict`, plus `--config.a.b=value` overrides.
+
+`base_config()` holds every field with its meaning; files in `configs/` start from it and change what they
+need. Overrides are parsed here rather than through absl's config_flags because config_flags checks keys and
+types lazily (a typo surfaces as a traceback deep in the run); here every override is checked at once and a
+mistake is a `UserError` naming the key.
+"""
+import ast
+import difflib
+import importlib.util
+import pathlib
+
+import ml_collections
+
+from meshtrain.errors import UserError
+from meshtrain.models import presets
+
+# Fields that decide the shape of the train state: a checkpoint is only compatible when all of them match.
+SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                "tie_embeddings", "scan_layers", "param_dtype")
+REMAT_POLICIES = ("none", "full", "save_dots")
+DTYPES = ("float32", "bfloat16")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field meshtrain reads, with its default and meaning."""
+  c = ml_collections.ConfigDict()
+  c.steps = 200                 # optimizer updates to train for (a resumed run stops at the same step)
+  c.seed = 0                    # seeds parameter init and the data order; the batch at step k depends on (seed, k) only
+  c.batch_size = 16             # global batch, in sequences, summed over all devices and micro-batches
+  c.seq_len = 128               # tokens per sequence
+  c.log_every = 10              # write metrics every N steps (fetched one step late so the host never blocks)
+  c.eval_every = 100            # validation loss every N steps, and at the end; 0 disables
+  c.eval_batches = 4            # validation batches (of `batch_size`) per evaluation
+  c.checkpoint_every = 100      # async Orbax checkpoint every N steps, and at the end; 0: only at the end
+  c.checkpoint_keep = 3         # keep the newest N checkpoints
+  c.cpu_devices = 8             # devices to simulate when JAX runs on the CPU (ignored on GPUs)
+
+  # Mesh: size of each named axis inside one node (fast links). One size may be -1: filled from the device count.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1              # pure data parallelism: batch split, parameters replicated
+  c.mesh.fsdp = 1               # ZeRO-3: batch split, parameters and optimizer state split along `embed`
+  c.mesh.tensor = 1             # Megatron tensor parallelism: heads, MLP width and vocab split
+  # Sizes across nodes (slow links, one node per process or slice). -1 fills from the node count, so by
+  # default only data parallelism, the least traffic, crosses nodes.
+  c.mesh.nodes = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+  c.sharding = ml_collections.ConfigDict()
+  c.sharding.rules = "fsdp_tp"  # logical-axis rules preset: dp | fsdp | tp | fsdp_tp (see meshtrain/sharding.py)
+
+  c.model = presets.model_config("tiny")
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.learning_rate = 3e-3    # peak learning rate, reached after warmup
+  c.optimizer.warmup_steps = 20       # linear warmup from 0
+  c.optimizer.min_lr_ratio = 0.1      # cosine decays to learning_rate * min_lr_ratio at `steps`
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.95
+  c.optimizer.eps = 1e-8
+  c.optimizer.weight_decay = 0.1      # decoupled (AdamW); never applied to norm scales
+  c.optimizer.grad_clip = 1.0         # global-norm clipping; 0 disables
+  c.optimizer.grad_accum_steps = 1    # micro-batches per step: the batch is split, gradients are summed
+
+  c.data = ml_collections.ConfigDict()
+  c.data.name = "python_stdlib"  # python_stdlib (built locally) | synthetic | any TFDS dataset name
+  c.data.data_dir = ""           # TFDS data directory; "" = TFDS default (~/tensorflow_datasets)
+  c.data.text_key = "text"       # feature holding the text, for TFDS datasets
+  c.data.train_split = "train"
+  c.data.eval_split = "validation"
+  return c
+
+
+def load(path: str, overrides: list[str]) -> ml_collections.ConfigDict:
+  """Loads `path` (a Python file with `get_config()`), applies `--config.a.b=value` overrides, validates."""
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise UserError(f"config file {path!r} does not exist; pass a Python file such as configs/tiny.py")
+  spec = importlib.util.spec_from_file_location(f"meshtrain_config_{file.stem}", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise UserError(f"config file {path!r} has no get_config() function")
+  cfg = module.get_config()
+  for item in overrides:
+    apply_override(cfg, item)
+  validate(cfg)
+  cfg.lock()
+  return cfg
+
+
+def apply_override(cfg: ml_collections.ConfigDict, item: str) -> None:
+  """Applies one `--config.a.b=value`; the value is converted to the type the field already has."""
+  if not item.startswith("--config.") or "=" not in item:
+    raise UserError(f"cannot read argument {item!r}; overrides look like --config.model.num_layers=8")
+  key, raw = item[len("--config."):].split("=", 1)
+  *parents, leaf = key.split(".")
+  node = cfg
+  for i, part in enumerate(parents + [leaf]):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+      near = difflib.get_close_matches(part, known, n=1)
+      hint = f"; did you mean {'.'.join(parents[:i] + near)!r}?" if near else f"; known keys here: {', '.join(known)}"
+      raise UserError(f"unknown config key {key!r}{hint}")
+    if i < len(parents):
+      node = node[part]
+  old = node[leaf]
+  if isinstance(old, ml_collections.ConfigDict):
+    raise UserError(f"config key {key!r} is a group; set one of its fields, e.g. --config.{key}.{next(iter(old))}=...")
+  node[leaf] = _convert(key, raw, old)
+
+
+def _convert(key, raw, old):
+  if isinstance(old, bool):
+    if raw.lower() in ("true", "1", "yes"):
+      return True
+    if raw.lower() in ("false", "0", "no"):
+      return False
+    raise UserError(f"config key {key!r} takes true or false, got {raw!r}")
+  if isinstance(old, (int, float)):
+    try:
+      value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(old, int) and not isinstance(value, int)):
+      raise UserError(f"config key {key!r} takes {'an integer' if isinstance(old, int) else 'a number'}, got {raw!r}")
+    return type(old)(value)
+  return raw
+
+
+def _check_choice(key, value, choices):
+  if value not in choices:
+    raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(map(str, choices))}")
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+  """Checks everything that can be checked without devices; mesh and sharding checks come later, also before compile."""
+  positive = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "log_every": cfg.log_every,
+              "checkpoint_keep": cfg.checkpoint_keep, "cpu_devices": cfg.cpu_devices,
+              "eval_batches": cfg.eval_batches, "optimizer.grad_accum_steps": cfg.optimizer.grad_accum_steps,
+              **{f"model.{k}": cfg.model[k] for k in ("vocab_size", "num_layers", "d_model", "num_heads",
+                                                       "num_kv_heads", "head_dim", "mlp_dim")}}
+  for key, value in positive.items():
+    if value <= 0:
+      raise UserError(f"config key {key!r} must be positive, got {value}")
+  non_negative = {"eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every,
+                  "optimizer.warmup_steps": cfg.optimizer.warmup_steps}
+  for key, value in non_negative.items():
+    if value < 0:
+      raise UserError(f"config key {key!r} must be >= 0, got {value}")
+  m = cfg.model
+  _check_choice("model.remat", m.remat, REMAT_POLICIES)
+  _check_choice("model.dtype", m.dtype, DTYPES)
+  _check_choice("model.param_dtype", m.param_dtype, DTYPES)
+  _check_choice("model.attention", m.attention, ("xla", "cudnn", "auto"))
+  if m.num_heads % m.num_kv_heads:
+    raise UserError(f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
+                    "grouped-query attention shares each KV head among num_heads/num_kv_heads query heads")
+  if m.head_dim % 2:
+    raise UserError(f"model.head_dim={m.head_dim} must be even for rotary position embedding")
+  accum = cfg.optimizer.grad_accum_steps
+  if cfg.batch_size % accum:
+    raise UserError(f"batch_size={cfg.batch_size} is not divisible by optimizer.grad_accum_steps={accum}; "
+                    f"use a batch_size that is a multiple of {accum}")
+  if cfg.optimizer.warmup_steps > cfg.steps:
+    raise UserError(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds steps={cfg.steps}; "
+                    "lower the warmup or train longer")
+  if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
+    raise UserError(f"optimizer.min_lr_ratio={cfg.optimizer.min_lr_ratio} must lie in [0, 1]")
+  if cfg.data.name != "synthetic" and m.vocab_size < 259:
+    raise UserError(f"model.vocab_size={m.vocab_size} is too small for the byte tokenizer (256 bytes + 3 specials "
+                    "= 259 ids); use model.vocab_size >= 259 or data.name=synthetic")
+  for axis in ("data", "fsdp", "tensor"):
+    for key, size in ((f"mesh.{axis}", cfg.mesh[axis]), (f"mesh.nodes.{axis}", cfg.mesh.nodes[axis])):
+      if size == 0 or size < -1:
+        raise UserError(f"config key {key!r} is {size}; axis sizes are positive, or -1 to fill from the device count")

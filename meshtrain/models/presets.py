@@ -1,0 +1,39 @@
+"""Model shapes, from CI-sized to LLaMA-3-8B. A preset is only a starting point: every field can be overridden.
+
+The large presets are for GPUs and for compile-only inspection on CPU; their vocabularies are those of real
+tokenizers (the byte-level corpus uses 259 ids of them).
+"""
+import ml_collections
+
+_SHAPES = {
+    # name:      layers, d_model, heads, kv_heads, head_dim, mlp_dim, vocab,  tied,  rope_theta
+    "tiny":     (4,      128,     4,     2,        32,       512,     384,    False, 10_000.0),
+    "125m":     (12,     768,     12,    12,       64,       2048,    32_768, True,  10_000.0),
+    "1b":       (16,     2048,    32,    8,        64,       8192,    128_256, True, 500_000.0),
+    "8b":       (32,     4096,    32,    8,        128,      14_336,  128_256, False, 500_000.0),
+}
+PRESETS = tuple(_SHAPES)
+
+
+def model_config(name: str) -> ml_collections.ConfigDict:
+  """The `model` config group for preset `name`; every field is documented here."""
+  layers, d_model, heads, kv_heads, head_dim, mlp_dim, vocab, tied, theta = _SHAPES[name]
+  m = ml_collections.ConfigDict()
+  m.preset = name                 # informational: which preset these numbers came from
+  m.num_layers = layers           # decoder blocks
+  m.d_model = d_model             # residual stream width (D)
+  m.num_heads = heads             # query heads (H)
+  m.num_kv_heads = kv_heads       # key/value heads (K); H/K query heads share each (grouped-query attention)
+  m.head_dim = head_dim           # per-head width (E)
+  m.mlp_dim = mlp_dim             # SwiGLU hidden width (F)
+  m.vocab_size = vocab            # embedding rows / logits (V)
+  m.tie_embeddings = tied         # reuse the embedding matrix as the output projection
+  m.rope_theta = theta            # rotary embedding base
+  m.norm_eps = 1e-5               # RMSNorm epsilon
+  m.init_std = 0.02               # stddev of the normal init of every matrix (output projections scaled by depth)
+  m.dtype = "float32"             # compute dtype: float32 | bfloat16 (parameters stay in param_dtype)
+  m.param_dtype = "float32"       # storage dtype of parameters and optimizer state
+  m.remat = "none"                # rematerialization: none | full | save_dots (keep matmul outputs, recompute the rest)
+  m.scan_layers = True            # run the blocks under jax.lax.scan (one compiled block) instead of unrolled
+  m.attention = "auto"            # jax.nn.dot_product_attention implementation: auto | xla | cudnn
+  return m
