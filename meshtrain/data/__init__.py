@@ -1,0 +1,10 @@
+"""Data layer: byte tokenizer, the locally built `python_stdlib` TFDS dataset, packed deterministic batches.
+
+`stdlib_corpus` (which imports tensorflow_datasets) is not imported here, so `synthetic` data works where
+TFDS and grain are not installed.
+"""
+from meshtrain.data.pipeline import Prefetcher, Source, global_batch, make_source, process_rows
+from meshtrain.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, decode, encode
+
+__all__ = ["make_source", "global_batch", "process_rows", "Prefetcher", "Source", "PAD_ID", "EOS_ID", "BOS_ID",
+           "VOCAB_SIZE", "encode", "decode"]

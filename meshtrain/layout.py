@@ -1,0 +1,110 @@
+"""Everything that depends on the mesh: shardings of the whole train state, sharded init, compiled steps.
+
+`build(cfg, mesh)` runs every layout check (mesh vs rules, batch vs batch axes, every parameter dimension vs
+the axes splitting it) from shapes alone, so a bad layout is reported before anything compiles. The train
+loop, the benchmarks and the tests all get their steps from here, so they run exactly the same program.
+"""
+import contextlib
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshtrain import optim, sharding, step as step_lib
+from meshtrain.models.llama import ModelConfig, Transformer
+
+
+@dataclasses.dataclass
+class Layout:
+  cfg: object
+  mesh: Mesh
+  rules: sharding.Rules
+  model: Transformer
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  table: list[sharding.ParamRow]
+  state_sharding: step_lib.TrainState   # a TrainState of NamedShardings
+  batch_sharding: NamedSharding         # for [batch, length] token arrays
+  state_abstract: step_lib.TrainState   # ShapeDtypeStructs carrying the shardings: Orbax restore targets
+  pad_id: int                           # target id masked out of the loss
+
+  @property
+  def micro_batch(self) -> int:
+    return self.cfg.batch_size // self.cfg.optimizer.grad_accum_steps
+
+  @contextlib.contextmanager
+  def context(self):
+    """Mesh + logical rules active while tracing, so the model's activation constraints resolve."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      yield
+
+  def _init(self, key):
+    tokens = jnp.zeros((self.micro_batch, self.cfg.seq_len), jnp.int32)
+    params = nn.meta.unbox(self.model.init(key, tokens)["params"])
+    return step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+
+  def init(self, seed: int) -> step_lib.TrainState:
+    """A fresh state, created directly in its shardings: no device ever holds a full replica."""
+    with self.context():
+      return jax.jit(self._init, out_shardings=self.state_sharding)(jax.random.key(seed))
+
+  def batch_abstract(self, batch_size: int) -> dict:
+    return {k: jax.ShapeDtypeStruct((batch_size, self.cfg.seq_len), jnp.int32, sharding=self.batch_sharding)
+            for k in ("inputs", "targets")}
+
+  def compile_train_step(self):
+    """The train step compiled ahead of time: state donated, every input and output sharding explicit."""
+    fn = functools.partial(step_lib.train_step, apply_fn=self.model.apply, tx=self.tx, schedule=self.schedule,
+                           pad_id=self.pad_id, accum_steps=self.cfg.optimizer.grad_accum_steps)
+    replicated = NamedSharding(self.mesh, P())
+    with self.context():
+      return jax.jit(fn, in_shardings=(self.state_sharding, self.batch_sharding),
+                     out_shardings=(self.state_sharding, replicated), donate_argnums=0,
+                     ).lower(self.state_abstract, self.batch_abstract(self.cfg.batch_size)).compile()
+
+  def compile_eval_step(self):
+    """Eval on micro-batch-sized batches, so evaluation never needs more memory than training."""
+    fn = functools.partial(step_lib.eval_step, apply_fn=self.model.apply, pad_id=self.pad_id)
+    with self.context():
+      return jax.jit(fn, in_shardings=(self.state_sharding.params, self.batch_sharding),
+                     out_shardings=NamedSharding(self.mesh, P()),
+                     ).lower(self.state_abstract.params, self.batch_abstract(self.micro_batch)).compile()
+
+  def compile_grad(self):
+    """Mean-loss gradients for a params tree and a batch (used to prove layouts agree)."""
+    def grads(params, batch):
+      def mean_loss(p):
+        total, count = step_lib.loss_sums(p, batch, apply_fn=self.model.apply, pad_id=self.pad_id)
+        return total / count
+      return jax.value_and_grad(mean_loss)(params)
+    with self.context():
+      return jax.jit(grads, in_shardings=(self.state_sharding.params, self.batch_sharding),
+                     out_shardings=(NamedSharding(self.mesh, P()), self.state_sharding.params),
+                     ).lower(self.state_abstract.params, self.batch_abstract(self.cfg.batch_size)).compile()
+
+
+def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
+  """Checks the layout from shapes alone, then derives every sharding of the train state."""
+  rules = sharding.rules_for(cfg.sharding.rules)
+  sharding.check_mesh_uses_rules(mesh, rules)
+  sharding.check_batch(mesh, cfg.batch_size, cfg.optimizer.grad_accum_steps)
+  model = Transformer(ModelConfig.from_config(cfg.model))
+  tokens = jax.ShapeDtypeStruct((cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len), jnp.int32)
+  boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+  table = sharding.param_table(boxed, mesh, rules)
+  param_sh = sharding.shardings_of(boxed, mesh, rules)
+  tx = optim.make_optimizer(cfg.optimizer, cfg.steps)
+  replicated = NamedSharding(mesh, P())
+  # Optimizer moments take their parameter's sharding; without this, jit would put them all on one device.
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, nn.meta.unbox(boxed)), param_sh,
+                                 transform_non_params=lambda _: replicated)
+  state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+  layout = Layout(cfg, mesh, rules, model, tx, optim.learning_rate_schedule(cfg.optimizer, cfg.steps), table,
+                  state_sh, sharding.batch_sharding(mesh, rules), None, pad_id)
+  abstract = jax.eval_shape(layout._init, jax.random.key(0))
+  layout.state_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
+  return layout

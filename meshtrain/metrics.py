@@ -1,0 +1,72 @@
+"""Where a run's numbers go: metrics.jsonl, TensorBoard event files, the progress bar, and a loss-curve PNG.
+
+Only process 0 writes; other processes get a writer that does nothing, so the loop needs no `if`.
+"""
+import json
+import pathlib
+
+import tqdm
+
+
+class MetricsWriter:
+  def __init__(self, workdir: str | pathlib.Path, total_steps: int, start_step: int, enabled: bool = True):
+    self.enabled = enabled
+    self.path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not enabled:
+      return
+    from tensorboardX import SummaryWriter  # imported here: only process 0 pays for it
+    self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
+    self._file = open(self.path, "a")  # a resumed run appends
+    self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                          bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+
+  def write(self, record: dict) -> None:
+    """One JSON line per record (must contain `step`); every numeric field also goes to TensorBoard."""
+    if not self.enabled:
+      return
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    for key, value in record.items():
+      if key != "step" and isinstance(value, (int, float)):
+        self._tb.add_scalar(key, value, record["step"])
+    shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_sec") if k in record}
+    if shown:
+      self._bar.set_postfix({k: f"{v:,.3f}" if k != "tokens_per_sec" else f"{v:,.0f}" for k, v in shown.items()},
+                            refresh=False)
+
+  def advance(self, step: int) -> None:
+    if self.enabled:
+      self._bar.update(step - self._bar.n)
+
+  def print(self, text: str) -> None:
+    if self.enabled:
+      self._bar.write(text)
+
+  def close(self) -> None:
+    if not self.enabled:
+      return
+    self._bar.close()
+    self._tb.close()
+    self._file.close()
+    plot_losses(self.path, self.path.with_name("loss.png"))
+
+
+def plot_losses(metrics_path: pathlib.Path, png_path: pathlib.Path) -> None:
+  """Train and eval loss against step, from metrics.jsonl (the whole history, across resumes)."""
+  import matplotlib
+  matplotlib.use("Agg")  # no display on training machines
+  import matplotlib.pyplot as plt
+  records = [json.loads(line) for line in open(metrics_path) if line.strip()]
+  train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+  evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for points, label, style in ((train, "train loss", "-"), (evals, "eval loss", "o-")):
+    if points:
+      ax.plot(*zip(*points), style, label=label)
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats/token)")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=100)
+  plt.close(fig)

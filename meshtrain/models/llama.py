@@ -1,0 +1,154 @@
+"""LLaMA-style decoder-only language model (Flax Linen).
+
+Shape letters: B batch, L length, D model width, H query heads, K key/value heads, E head width, F MLP width,
+V vocabulary, N layers. Every parameter and key activation names its logical axes; the rules in
+meshtrain/sharding.py decide how they map onto the mesh, so this file never mentions a mesh axis.
+
+Linen rather than NNX: its `nn.scan` + `nn.remat` + logical partitioning compose without extra glue, and the
+parameters are a plain pytree that Optax and Orbax take as is.
+"""
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, recompute the rest
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  tie_embeddings: bool = False
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: str = "none"
+  scan_layers: bool = True
+  attention: str = "auto"
+
+  @classmethod
+  def from_config(cls, model_cfg) -> "ModelConfig":
+    """From the `model` config group (extra informational fields such as `preset` are ignored)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(model_cfg).items() if k in names})
+
+
+def _param(module, name, shape, logical, std, dtype):
+  init = nn.initializers.normal(std) if std else nn.initializers.ones
+  return module.param(name, nn.with_logical_partitioning(init, logical), shape, jnp.dtype(dtype))
+
+
+class RMSNorm(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BLD):
+    scale_D = _param(self, "scale", (x_BLD.shape[-1],), ("norm",), None, self.cfg.param_dtype)
+    x = x_BLD.astype(jnp.float32)  # the mean of squares is taken in float32 whatever the compute dtype
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    return (x * scale_D).astype(self.cfg.dtype)
+
+
+def rotary(x_BLHE, theta: float):
+  """Rotary position embedding on the two halves of each head (positions 0..L-1)."""
+  L, E = x_BLHE.shape[1], x_BLHE.shape[-1]
+  freq_E2 = theta ** (-jnp.arange(0, E // 2, dtype=jnp.float32) * 2 / E)
+  angle_LE2 = jnp.arange(L, dtype=jnp.float32)[:, None] * freq_E2[None, :]
+  sin, cos = jnp.sin(angle_LE2)[None, :, None, :], jnp.cos(angle_LE2)[None, :, None, :]
+  x1, x2 = jnp.split(x_BLHE.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHE.dtype)
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BLD):
+    c = self.cfg
+    D, H, K, E = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
+    out_std = c.init_std / math.sqrt(2 * c.num_layers)  # residual branches summed N times: keep their sum O(1)
+    w_q = _param(self, "q", (D, H, E), ("embed", "heads", "head_dim"), c.init_std, c.param_dtype)
+    w_k = _param(self, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
+    w_v = _param(self, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
+    w_o = _param(self, "o", (H, E, D), ("heads", "head_dim", "embed"), out_std, c.param_dtype)
+    q_BLHE = jnp.einsum("BLD,DHE->BLHE", x_BLD, w_q.astype(c.dtype))
+    k_BLKE = jnp.einsum("BLD,DKE->BLKE", x_BLD, w_k.astype(c.dtype))
+    v_BLKE = jnp.einsum("BLD,DKE->BLKE", x_BLD, w_v.astype(c.dtype))
+    q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, c.rope_theta), ("act_batch", "act_len", "act_heads", "act_head_dim"))
+    k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, c.rope_theta), ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
+    v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
+    # One call for grouped-query causal attention: on GPUs with bf16 it can pick cuDNN's fused kernel.
+    impl = None if c.attention == "auto" else c.attention
+    o_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation=impl)
+    o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
+    return jnp.einsum("BLHE,HED->BLD", o_BLHE, w_o.astype(c.dtype))
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BLD):
+    c = self.cfg
+    out_std = c.init_std / math.sqrt(2 * c.num_layers)
+    w_gate = _param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype)
+    w_up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype)
+    w_down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), out_std, c.param_dtype)
+    gate_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, w_gate.astype(c.dtype))
+    up_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, w_up.astype(c.dtype))
+    h_BLF = nn.with_logical_constraint(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_len", "act_mlp"))
+    return jnp.einsum("BLF,FD->BLD", h_BLF, w_down.astype(c.dtype))
+
+
+class Block(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BLD, _):
+    x_BLD = x_BLD + Attention(self.cfg, name="attn")(RMSNorm(self.cfg, name="attn_norm")(x_BLD))
+    x_BLD = x_BLD + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x_BLD))
+    return nn.with_logical_constraint(x_BLD, ("act_batch", "act_len", "act_embed")), None
+
+
+class Transformer(nn.Module):
+  """tokens [B, L] int32 -> logits [B, L, V] float32."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BL):
+    c = self.cfg
+    embed_VD = _param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype)
+    x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.dtype)
+    x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_len", "act_embed"))
+    block = Block
+    if c.remat != "none":
+      # Under scan, CSE across iterations cannot undo the remat, so its prevention (which costs speed) is off.
+      block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+      # One block compiled once and iterated: compile time and HLO size independent of depth.
+      stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.num_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BLD, _ = stack(c, name="layers")(x_BLD, None)
+    else:
+      for i in range(c.num_layers):
+        x_BLD, _ = block(c, name=f"layer_{i}")(x_BLD, None)
+    x_BLD = RMSNorm(c, name="final_norm")(x_BLD)
+    if c.tie_embeddings:
+      logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, embed_VD.astype(c.dtype))
+    else:
+      head_DV = _param(self, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+      logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, head_DV.astype(c.dtype))
+    return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))

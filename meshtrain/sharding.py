@@ -1,0 +1,150 @@
+"""Logical-axis rules: the single sharding knob. Importable on its own by research code.
+
+Models name the axes of every parameter and key activation with logical names (`embed`, `mlp`, `heads`,
+`act_batch`, ...). A rules table maps each logical name to mesh axes (or to None: replicated). The same model
+then runs data-parallel, FSDP, tensor-parallel or FSDP x tensor by switching the table; the model never
+names a mesh axis. Parameter names and activation names are separate (`mlp` vs `act_mlp`) so the two can be
+laid out differently, e.g. FSDP splits the `embed` dimension of weights while activations keep it whole.
+"""
+from collections.abc import Sequence
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshtrain.errors import UserError
+from meshtrain.mesh import BATCH_AXES
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+# Every preset starts here: parameters replicated, the batch split over all batch axes. `layers` is the
+# stacked-layer axis that scan adds; it is never split.
+_BASE = {"embed": None, "mlp": None, "heads": None, "kv_heads": None, "head_dim": None, "vocab": None,
+         "norm": None, "layers": None,
+         "act_batch": BATCH_AXES, "act_len": None, "act_embed": None, "act_heads": None, "act_kv_heads": None,
+         "act_head_dim": None, "act_mlp": None, "act_vocab": None}
+# ZeRO-3: every matrix has an `embed` dimension, so every matrix (and its optimizer state) is split; XLA
+# all-gathers each layer's weights before use and reduce-scatters their gradients.
+_FSDP = {"embed": "fsdp"}
+# Megatron: column-split Q/K/V and MLP-in, row-split attention-out and MLP-out, split vocab; the activations
+# between the two halves are split the same way, so each block needs one all-reduce per half.
+_TENSOR = {"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor",
+           "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor"}
+PRESETS: dict[str, Rules] = {
+    "dp": tuple(_BASE.items()),
+    "fsdp": tuple({**_BASE, **_FSDP}.items()),
+    "tp": tuple({**_BASE, **_TENSOR}.items()),
+    "fsdp_tp": tuple({**_BASE, **_FSDP, **_TENSOR}.items()),
+}
+
+
+def _mesh_axes(value) -> tuple[str, ...]:
+  return (value,) if isinstance(value, str) else tuple(value or ())
+
+
+def rules_for(preset: str) -> Rules:
+  if preset not in PRESETS:
+    raise UserError(f"sharding.rules={preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
+  return PRESETS[preset]
+
+
+def check_mesh_uses_rules(mesh: Mesh, rules: Rules) -> None:
+  """Rejects, before compiling, a model-splitting mesh axis (>1) that no parameter rule uses.
+
+  `data` only ever splits the batch; any other axis of size > 1 is there to split parameters, and if the rules
+  never name it the run silently degrades (e.g. fsdp=8 under the `dp` preset is plain data parallelism).
+  """
+  def splits_params(r: Rules, axis: str) -> bool:
+    return any(axis in _mesh_axes(v) for k, v in r if not k.startswith("act_"))
+  for axis, size in mesh.shape.items():
+    if size > 1 and axis != "data" and not splits_params(rules, axis):
+      fits = [name for name, r in PRESETS.items() if splits_params(r, axis)]
+      raise UserError(f"mesh axis {axis}={size} is not used by these sharding rules to split parameters; choose "
+                      f"sharding.rules from {', '.join(fits)} or set mesh.{axis}=1 (and put the devices on mesh.data)")
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> P:
+  return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
+  """Sharding of a [batch, length] token array."""
+  return NamedSharding(mesh, logical_to_spec(("act_batch", "act_len"), rules))
+
+
+def check_batch(mesh: Mesh, batch_size: int, micro_batches: int = 1) -> None:
+  ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
+  micro = batch_size // micro_batches
+  if micro % ways:
+    what = f"batch_size={batch_size}" + (f" / grad_accum_steps={micro_batches} = {micro} per micro-batch" if micro_batches > 1 else "")
+    good = ways * micro_batches
+    raise UserError(f"{what} is not divisible by the batch axes data x fsdp = {ways}; use a batch_size that is a "
+                    f"multiple of {good} (e.g. {good * max(1, round(batch_size / good))}) or change the mesh")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRow:
+  path: str
+  shape: tuple[int, ...]
+  logical: tuple[str | None, ...]
+  spec: P
+  dtype: np.dtype
+  bytes_per_device: int
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+def param_table(abstract_params, mesh: Mesh, rules: Rules) -> list[ParamRow]:
+  """One row per parameter of a Flax Linen variable tree whose leaves carry logical names (LogicallyPartitioned).
+
+  `abstract_params` is what `jax.eval_shape(model.init, ...)` returns (or its "params" collection).
+  Raises UserError when a dimension is not divisible by the mesh axes it is split over.
+  """
+  logical = nn.get_partition_spec(abstract_params)
+  values = nn.meta.unbox(abstract_params)
+  rows = []
+  for (path, leaf), spec_logical in zip(jax.tree_util.tree_leaves_with_path(values),
+                                        jax.tree_util.tree_leaves(logical, is_leaf=lambda x: isinstance(x, P))):
+    names = tuple(spec_logical) + (None,) * (leaf.ndim - len(spec_logical))
+    spec = logical_to_spec(names, rules)
+    shard = list(leaf.shape)
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    for dim, axes in enumerate(tuple(spec) + (None,) * (leaf.ndim - len(spec))):
+      ways = math.prod(mesh.shape[a] for a in _mesh_axes(axes))
+      if shard[dim] % ways:
+        raise UserError(f"parameter {name} dimension {dim} ({names[dim]}) has size {shard[dim]}, which is not "
+                        f"divisible by mesh axes {axes} = {ways} devices; change the model size or the mesh "
+                        f"(e.g. a {names[dim]} size that is a multiple of {ways}, or a smaller {axes} axis)")
+      shard[dim] //= ways
+    rows.append(ParamRow(name, tuple(leaf.shape), names, spec, np.dtype(leaf.dtype),
+                         math.prod(shard) * np.dtype(leaf.dtype).itemsize))
+  return rows
+
+
+def shardings_of(abstract_params, mesh: Mesh, rules: Rules):
+  """NamedShardings for the (unboxed) parameter tree, from its logical names and the rules."""
+  return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_params), mesh, rules)
+
+
+def format_table(rows: list[ParamRow]) -> str:
+  """The parameter table as text: path, shape, logical axes, PartitionSpec, bytes per device; then totals."""
+  def fmt_axes(t):
+    return "(" + ", ".join(str(a) for a in t) + ")"
+  lines = [("parameter", "shape", "logical axes", "partition spec", "bytes/device")]
+  for r in rows:
+    lines.append((r.path, "x".join(map(str, r.shape)), fmt_axes(r.logical), fmt_axes(tuple(r.spec)),
+                  f"{r.bytes_per_device:,}"))
+  total = sum(r.size for r in rows)
+  total_bytes = sum(r.size * r.dtype.itemsize for r in rows)
+  per_device = sum(r.bytes_per_device for r in rows)
+  widths = [max(len(line[i]) for line in lines) for i in range(5)]
+  out = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in lines]
+  out.insert(1, "  ".join("-" * w for w in widths))
+  out.append(f"total: {total:,} parameters, {total_bytes / 2**20:,.1f} MiB; per device {per_device / 2**20:,.2f} MiB "
+             f"of parameters (x3 with Adam's two moments)")
+  return "\n".join(out)

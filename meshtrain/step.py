@@ -1,0 +1,61 @@
+"""Pure step functions: loss, train step (with gradient accumulation), eval step.
+
+No I/O, no config objects, no Python-side state: everything a step needs is an argument, so `train.py` can
+jit them with explicit shardings and donate the state.
+"""
+from typing import Any, Callable
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class TrainState(flax.struct.PyTreeNode):
+  step: jax.Array  # int32 scalar: updates applied so far
+  params: Any
+  opt_state: Any
+
+
+def loss_sums(params, batch, *, apply_fn: Callable, pad_id: int):
+  """Summed next-token cross-entropy over non-pad targets, and the number of those targets."""
+  logits_BLV = apply_fn({"params": params}, batch["inputs"])
+  targets_BL = batch["targets"]
+  logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+  target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+  weight_BL = (targets_BL != pad_id).astype(jnp.float32)
+  return jnp.sum((logz_BL - target_logit_BL) * weight_BL), jnp.sum(weight_BL)
+
+
+def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransformation, schedule: optax.Schedule,
+               pad_id: int, accum_steps: int = 1):
+  """One optimizer update on a global batch; returns the new state and scalar metrics (left on device)."""
+  grad_fn = jax.value_and_grad(lambda p, b: loss_sums(p, b, apply_fn=apply_fn, pad_id=pad_id), has_aux=True)
+  if accum_steps == 1:
+    (loss_sum, count), grads = grad_fn(state.params, batch)
+  else:
+    # Micro-batch a takes rows a, a+A, a+2A, ...: each device keeps its own rows, so splitting needs no traffic.
+    def split(x_BL):
+      x_ABL = x_BL.reshape(x_BL.shape[0] // accum_steps, accum_steps, *x_BL.shape[1:]).swapaxes(0, 1)
+      return nn.with_logical_constraint(x_ABL, (None, "act_batch", "act_len"))
+
+    def accumulate(carry, micro):
+      (loss_sum, count), grads = grad_fn(state.params, micro)
+      return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
+
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+    (loss_sum, count, grads), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+  # Mean over every target token of the global batch, however it was split into micro-batches.
+  grads = jax.tree.map(lambda g: g / count, grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
+             "learning_rate": schedule(state.step), "tokens": count}
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params, batch, *, apply_fn, pad_id: int):
+  """Sums for validation: cross-entropy (nats), target tokens, and byte targets (ids < 256) for bits per byte."""
+  loss_sum, count = loss_sums(params, batch, apply_fn=apply_fn, pad_id=pad_id)
+  return {"loss_sum": loss_sum, "tokens": count, "bytes": jnp.sum((batch["targets"] < 256).astype(jnp.float32))}

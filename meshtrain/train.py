@@ -1,0 +1,164 @@
+"""Train a language model over a device mesh.
+
+  python -m meshtrain.train --config configs/tiny.py --workdir runs/tiny [--config.KEY=VALUE ...]
+
+Re-running the same command with the same workdir resumes from the latest checkpoint, on whatever mesh the
+new command asks for. Every user mistake is reported before anything compiles, with exit code 2.
+"""
+import argparse
+import functools
+import json
+import math
+import pathlib
+import sys
+import time
+
+from meshtrain import config as config_lib
+from meshtrain.errors import UserError
+
+
+def parse_args(argv: list[str]):
+  parser = argparse.ArgumentParser(prog="python -m meshtrain.train", description=__doc__.split("\n\n")[0],
+                                   epilog="Any config field can be overridden: --config.model.num_layers=8")
+  parser.add_argument("--config", required=True, help="Python config file with get_config(), e.g. configs/tiny.py")
+  parser.add_argument("--workdir", required=True, help="checkpoints, metrics and logs go here; reuse it to resume")
+  args, overrides = parser.parse_known_args(argv)
+  return config_lib.load(args.config, overrides), pathlib.Path(args.workdir)
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    cfg, workdir = parse_args(sys.argv[1:] if argv is None else argv)
+    train(cfg, workdir)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def train(cfg, workdir: pathlib.Path) -> None:
+  # Heavy imports after argument checks, so a typo is reported in a fraction of a second.
+  from meshtrain import mesh as mesh_lib
+  mesh_lib.simulate_cpu_devices(cfg.cpu_devices)  # before any JAX computation initialises the backends
+  import jax
+  import jax.numpy as jnp
+  from meshtrain import checkpoint, data, layout as layout_lib, sharding
+  from meshtrain.metrics import MetricsWriter
+
+  is_main = jax.process_index() == 0
+  log = functools.partial(print, flush=True) if is_main else (lambda *a, **k: None)
+
+  # --- Layout, checkpoint compatibility and data: every user mistake surfaces here, before any compile. ---
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  layout = layout_lib.build(cfg, mesh, data.PAD_ID)
+  log(f"mesh: {mesh_lib.describe(mesh)}; sharding rules: {cfg.sharding.rules}")
+  log(sharding.format_table(layout.table))
+  workdir.mkdir(parents=True, exist_ok=True)
+  ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep)
+  resume_step = ckpt.latest_step()
+  if resume_step is not None:
+    meta = ckpt.read_meta(resume_step)
+    checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, resume_step, ckpt.directory)
+    if resume_step >= cfg.steps:
+      log(f"{ckpt.directory} already holds step {resume_step} >= steps={cfg.steps}; nothing to do "
+          f"(raise --config.steps to train further)")
+      return
+  train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
+  eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
+  if is_main:
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+  t0 = time.perf_counter()
+  train_fn = layout.compile_train_step()
+  log(f"train step compiled in {time.perf_counter() - t0:.1f}s; {compiled_summary(train_fn)}")
+  eval_fn = layout.compile_eval_step() if eval_src is not None else None
+
+  if resume_step is None:
+    state = layout.init(cfg.seed)
+    start = 0
+    log(f"initialised {sum(r.size for r in layout.table):,} parameters")
+  else:
+    state = ckpt.restore_state(resume_step, layout.state_abstract)
+    start = resume_step
+    log(f"resumed from {ckpt.directory / str(resume_step)}")
+
+  def evaluate(params, at_step):
+    sums = None
+    for i in range(cfg.eval_batches):
+      out = eval_fn(params, data.global_batch(eval_src, i, layout.micro_batch, layout.batch_sharding))
+      sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+    sums = jax.device_get(sums)
+    record = {"step": at_step, "eval_loss": float(sums["loss_sum"] / sums["tokens"])}
+    if sums["bytes"] > 0 and cfg.data.name != "synthetic":
+      record["eval_bits_per_byte"] = float(sums["loss_sum"] / sums["bytes"] / math.log(2))
+    return record
+
+  def save(at_step):
+    ckpt.save(at_step, state, {"config": cfg.to_dict(),
+                               "data": {"next_step": at_step, "seed": cfg.seed, "batch_size": cfg.batch_size,
+                                        "name": cfg.data.name}})
+
+  # --- The loop. The host only waits for the device when metrics are due, and then for the previous step. ---
+  writer = MetricsWriter(workdir, cfg.steps, start, enabled=is_main)
+  batches = data.Prefetcher(train_src, start, cfg.batch_size, layout.batch_sharding)
+  pending = None                                  # (step, metrics on device) to fetch after the next dispatch
+  clock = {"t": time.perf_counter(), "step": start, "excluded": 0.0}
+
+  def emit(done, metrics):
+    metrics = jax.device_get(metrics)
+    now = time.perf_counter()
+    seconds = (now - clock["t"] - clock["excluded"]) / max(done - clock["step"], 1)
+    clock.update(t=now, step=done, excluded=0.0)
+    writer.write({"step": done, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
+                  "grad_norm": float(metrics["grad_norm"]), "step_time_s": seconds,
+                  "tokens_per_sec": cfg.batch_size * cfg.seq_len / seconds})
+
+  try:
+    for done in range(start + 1, cfg.steps + 1):
+      _, batch = next(batches)
+      state, metrics = train_fn(state, batch)
+      if pending:
+        emit(*pending)
+        pending = None
+      if done % cfg.log_every == 0 or done == cfg.steps:
+        pending = (done, metrics)
+      writer.advance(done)
+      eval_due = eval_src is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
+      save_due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps
+      if eval_due or save_due:
+        t_pause = time.perf_counter()
+        if pending:  # keep the log in step order
+          emit(*pending)
+          pending = None
+        if eval_due:
+          record = evaluate(state.params, done)
+          writer.write(record)
+          writer.print(f"step {done}: eval loss {record['eval_loss']:.4f}"
+                       + (f", {record['eval_bits_per_byte']:.3f} bits/byte" if "eval_bits_per_byte" in record else ""))
+        if save_due:
+          save(done)
+        clock["excluded"] += time.perf_counter() - t_pause
+    if pending:
+      emit(*pending)
+  finally:
+    batches.close()
+    ckpt.wait()   # an async save in flight is committed before the process exits
+    ckpt.close()
+    writer.close()
+  log(f"done: step {cfg.steps}; checkpoints in {ckpt.directory}; metrics in {writer.path}")
+
+
+def compiled_summary(compiled) -> str:
+  """Per-device memory of the compiled step and its FLOPs, from XLA's own analyses."""
+  mem = compiled.memory_analysis()
+  mib = lambda b: f"{b / 2**20:,.1f} MiB"
+  parts = [f"per-device memory: arguments {mib(mem.argument_size_in_bytes)}, outputs {mib(mem.output_size_in_bytes)} "
+           f"(aliased {mib(mem.alias_size_in_bytes)}), temporaries {mib(mem.temp_size_in_bytes)}"]
+  cost = compiled.cost_analysis()
+  if cost and "flops" in cost:
+    parts.append(f"{cost['flops'] / 1e9:,.2f} GFLOP per device per step")
+  return "; ".join(parts)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
