@@ -16,7 +16,11 @@ class MetricsWriter:
       return
     from tensorboardX import SummaryWriter  # imported here: only process 0 pays for it
     self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
-    self._file = open(self.path, "a")  # a resumed run appends
+    if self.path.exists():
+      # A resumed run appends; records past the checkpoint it resumes from are about to be recomputed.
+      kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
+      self.path.write_text("".join(line + "\n" for line in kept))
+    self._file = open(self.path, "a")
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                           bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 

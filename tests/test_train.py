@@ -1,0 +1,107 @@
+"""The train command end to end: outputs, exact resume, restore onto another mesh, incompatible checkpoints."""
+import json
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from meshtrain import train
+
+FAST = ["--config", "configs/tiny.py", "--config.steps=6", "--config.seq_len=64", "--config.log_every=1",
+        "--config.eval_every=3", "--config.eval_batches=1", "--config.checkpoint_every=3",
+        "--config.optimizer.warmup_steps=2"]
+
+
+def run(workdir, *extra):
+  assert train.main([*FAST, "--workdir", str(workdir), *extra]) == 0
+
+
+def records(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def saved_params(workdir, step):
+  return ocp.StandardCheckpointer().restore((workdir / "checkpoints" / str(step) / "state").absolute())["params"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  run(workdir)
+  return workdir
+
+
+def test_outputs(uninterrupted):
+  logged = records(uninterrupted)
+  train_records = [r for r in logged if "loss" in r]
+  assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
+  for r in train_records:
+    assert {"step", "loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec"} <= r.keys()
+    assert np.isfinite(r["loss"]) and r["tokens_per_sec"] > 0
+  assert train_records[-1]["loss"] < train_records[0]["loss"]
+  evals = [r for r in logged if "eval_loss" in r]
+  assert [r["step"] for r in evals] == [3, 6] and all(r["eval_bits_per_byte"] > 0 for r in evals)
+  assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir()) == ["3", "6"]
+  assert json.loads((uninterrupted / "config.json").read_text())["steps"] == 6
+  assert list((uninterrupted / "tensorboard").glob("events.out.tfevents.*"))
+  assert (uninterrupted / "loss.png").stat().st_size > 1000
+
+
+def test_resume_is_bitwise_identical(uninterrupted, tmp_path):
+  # A run that stopped right after the step-3 checkpoint: same workdir contents as then.
+  shutil.copytree(uninterrupted, tmp_path / "run")
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
+  run(tmp_path / "run")
+  full, resumed = records(uninterrupted), records(tmp_path / "run")
+  assert [r["step"] for r in resumed] == [r["step"] for r in full]  # no duplicated or missing records
+  for a, b in zip(full, resumed):
+    for key in ("loss", "grad_norm", "eval_loss"):
+      assert a.get(key) == b.get(key), (a["step"], key)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), saved_params(tmp_path / "run", 6),
+               saved_params(uninterrupted, 6))
+
+
+def test_restore_onto_another_mesh_then_continue(uninterrupted, tmp_path):
+  shutil.copytree(uninterrupted, tmp_path / "run")
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
+  # Same command, another layout: 8 -> fsdp=4 x tensor=2.
+  run(tmp_path / "run", "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2")
+  full, moved = records(uninterrupted), records(tmp_path / "run")
+  for a, b in zip(full, moved):
+    for key in ("loss", "eval_loss"):
+      if key in a:  # other reduction order after the move: float32 rounding only
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), saved_params(tmp_path / "run", 6),
+               saved_params(uninterrupted, 6))
+
+
+def test_restore_onto_fewer_devices_is_exact(uninterrupted):
+  from meshtrain import checkpoint, config, layout, mesh
+  cfg = config.base_config()
+  cfg.seq_len, cfg.steps = 64, 6
+  cfg.mesh.data = 1
+  one = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1]), 256)
+  ckpt = checkpoint.Checkpointer(uninterrupted, keep=3)
+  state = ckpt.restore_state(6, one.state_abstract)
+  ckpt.close()
+  assert state.params["embedding"].sharding.device_set == {jax.devices()[0]}
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), jax.device_get(state.params), saved_params(uninterrupted, 6))
+
+
+def test_incompatible_checkpoint_is_refused_and_kept(uninterrupted, tmp_path, capsys):
+  shutil.copytree(uninterrupted, tmp_path / "run")
+  before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+  code = train.main([*FAST, "--workdir", str(tmp_path / "run"), "--config.steps=9", "--config.model.num_layers=2",
+                     "--config.model.mlp_dim=256"])
+  assert code == 2
+  err = capsys.readouterr().err
+  assert "different model shape" in err and "model.num_layers: checkpoint 4, this run 2" in err
+  assert "model.mlp_dim: checkpoint 512, this run 256" in err
+  assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+
+
+def test_finished_run_is_left_alone(uninterrupted, capsys):
+  run(uninterrupted)
+  assert "nothing to do" in capsys.readouterr().out
