@@ -161,9 +161,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   if cfg.batch_size % accum:
     raise UserError(f"batch_size={cfg.batch_size} is not divisible by optimizer.grad_accum_steps={accum}; "
                     f"use a batch_size that is a multiple of {accum}")
-  if cfg.optimizer.warmup_steps > cfg.steps:
-    raise UserError(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds steps={cfg.steps}; "
-                    "lower the warmup or train longer")
   if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
     raise UserError(f"optimizer.min_lr_ratio={cfg.optimizer.min_lr_ratio} must lie in [0, 1]")
   if cfg.data.name != "synthetic" and m.vocab_size < 259:

@@ -1,0 +1,39 @@
+"""The README's promises run: the Quickstart command (with fewer steps) and the research-code example."""
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+
+
+def quickstart_train_command() -> list[str]:
+  section = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+  (line,) = [l for l in section.splitlines() if "python -m meshtrain.train" in l]
+  return shlex.split(line[line.index("python -m meshtrain.train"):])
+
+
+def test_quickstart_trains(tmp_path):
+  argv = quickstart_train_command()
+  argv[argv.index("--workdir") + 1] = str(tmp_path / "run")
+  proc = subprocess.run([sys.executable, *argv[1:], "--config.steps=20", "--config.eval_every=20",
+                         "--config.log_every=5"], capture_output=True, text=True, timeout=600,
+                        cwd=pathlib.Path(__file__).parents[1])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "train step compiled" in proc.stdout and "done: step 20" in proc.stdout
+  assert (tmp_path / "run" / "checkpoints" / "20").is_dir() and (tmp_path / "run" / "loss.png").exists()
+
+
+def test_test_command_is_what_ci_runs():
+  section = README.split("Run the tests:", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
+  assert section in (pathlib.Path(__file__).parents[1] / ".ci" / "run").read_text()
+
+
+def test_research_code_example(capsys):
+  section = README.split("## Use the mesh and rules in your own code", 1)[1]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  exec(compile(code, "README example", "exec"), {})
+  out = capsys.readouterr().out
+  assert "w_in" in out and "(embed, mlp)" in out and "(fsdp, tensor)" in out
+  assert "P('fsdp', 'tensor') (32, 256)" in out
