@@ -33,7 +33,7 @@ def simulate_cpu_devices(count: int) -> None:
                       f"for cpu_devices={count}; set cpu_devices={jax.device_count('cpu')} or start a fresh process") from e
 
 
-def fill_sizes(sizes: Mapping[str, int], total: int, what: str) -> dict[str, int]:
+def fill_sizes(sizes: Mapping[str, int], total: int, what: str, unit: str = "devices") -> dict[str, int]:
   """Resolves at most one -1 in `sizes` so that the sizes multiply to `total`; errors name the numbers."""
   sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
   shown = " x ".join(f"{a}={s}" for a, s in sizes.items())
@@ -43,12 +43,12 @@ def fill_sizes(sizes: Mapping[str, int], total: int, what: str) -> dict[str, int
   known = math.prod(s for s in sizes.values() if s != -1)
   if unknown:
     if total % known:
-      raise UserError(f"{what}: cannot fill {unknown[0]}=-1: {total} devices are not divisible by the other axes "
+      raise UserError(f"{what}: cannot fill {unknown[0]}=-1: {total} {unit} are not divisible by the other axes "
                       f"({shown}, product {known}); choose sizes whose product divides {total}")
     sizes[unknown[0]] = total // known
   elif known != total:
-    raise UserError(f"{what}: axis sizes {shown} multiply to {known}, but there are {total} devices; make the "
-                    f"product {total} (or set one axis to -1 to fill it from the device count)")
+    raise UserError(f"{what}: axis sizes {shown} multiply to {known}, but there are {total} {unit}; make the "
+                    f"product {total} (or set one axis to -1 to fill it from the {unit[:-1]} count)")
   return sizes
 
 
@@ -70,7 +70,8 @@ def make_mesh(sizes: Mapping, devices=None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   nodes = _node_count(devices)
   node_sizes = dict(sizes.get("nodes", None) or {})
-  across = fill_sizes({a: node_sizes.get(a, -1 if a == "data" else 1) for a in AXES}, nodes, f"mesh.nodes ({nodes} nodes)")
+  across = fill_sizes({a: node_sizes.get(a, -1 if a == "data" else 1) for a in AXES}, nodes,
+                      f"mesh.nodes ({nodes} nodes)", unit="nodes")
   inside = fill_sizes(sizes, len(devices) // nodes,
                       f"mesh ({len(devices) // nodes} devices per node)" if nodes > 1 else f"mesh ({len(devices)} devices)")
   ici_shape = tuple(inside[a] for a in AXES)
