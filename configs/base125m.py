@@ -1,4 +1,4 @@
-"""About 125M parameters (GPT-2-small shape, LLaMA blocks), FSDP over every device, bf16 compute.
+"""124M parameters (GPT-2-small width and depth, LLaMA blocks), FSDP over every device, bf16 compute.
 
   python -m meshtrain.train --config configs/base125m.py --workdir runs/125m
 

@@ -163,9 +163,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                     f"use a batch_size that is a multiple of {accum}")
   if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
     raise UserError(f"optimizer.min_lr_ratio={cfg.optimizer.min_lr_ratio} must lie in [0, 1]")
-  if cfg.data.name != "synthetic" and m.vocab_size < 259:
-    raise UserError(f"model.vocab_size={m.vocab_size} is too small for the byte tokenizer (256 bytes + 3 specials "
-                    "= 259 ids); use model.vocab_size >= 259 or data.name=synthetic")
   for axis in ("data", "fsdp", "tensor"):
     for key, size in ((f"mesh.{axis}", cfg.mesh[axis]), (f"mesh.nodes.{axis}", cfg.mesh.nodes[axis])):
       if size == 0 or size < -1:

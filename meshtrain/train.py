@@ -120,7 +120,7 @@ def train(cfg, workdir: pathlib.Path) -> None:
       if pending:
         emit(*pending)
         pending = None
-      if done % cfg.log_every == 0 or done == cfg.steps:
+      if done % cfg.log_every == 0 or done in (start + 1, cfg.steps):  # the first step shows the starting loss
         pending = (done, metrics)
       writer.advance(done)
       eval_due = eval_src is not None and (done % cfg.eval_every == 0 or done == cfg.steps)

@@ -31,7 +31,8 @@ CASES = {  # extra arguments: fragments the message must contain
     "unknown rules": (["--config.sharding.rules=zero3"], ["not a preset", "dp, fsdp, tp, fsdp_tp"]),
     "not positive": (["--config.eval_batches=0"], ["'eval_batches' must be positive, got 0"]),
     "lr ratio": (["--config.optimizer.min_lr_ratio=2"], ["min_lr_ratio=2.0 must lie in [0, 1]"]),
-    "vocab": (["--config.model.vocab_size=256"], ["too small for the byte tokenizer", "data.name=synthetic"]),
+    "vocab": (["--config.model.vocab_size=256"], ["vocab_size=256 is too small for the byte tokenizer",
+                                                 "data.name=synthetic"]),
     "unknown dataset": (["--config.data.name=no_such_dataset_xyz"], ["no_such_dataset_xyz"]),
 }
 

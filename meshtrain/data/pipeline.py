@@ -262,7 +262,8 @@ def make_source(cfg, split: str, shuffle: bool) -> Source:
     return SyntheticSource(cfg.seed, split, cfg.seq_len, cfg.model.vocab_size)
   if cfg.model.vocab_size < tokenizer.VOCAB_SIZE:
     raise UserError(f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer, which uses ids "
-                    f"up to {tokenizer.VOCAB_SIZE - 1}; set model.vocab_size >= {tokenizer.VOCAB_SIZE}")
+                    f"up to {tokenizer.VOCAB_SIZE - 1}; set model.vocab_size >= {tokenizer.VOCAB_SIZE} "
+                    f"(or data.name={SYNTHETIC} for random tokens)")
   if name == STDLIB:
     from meshtrain.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
     stdlib_corpus.build(data.data_dir)

@@ -8,7 +8,7 @@ import ml_collections
 _SHAPES = {
     # name:      layers, d_model, heads, kv_heads, head_dim, mlp_dim, vocab,  tied,  rope_theta
     "tiny":     (4,      128,     8,     4,        16,       512,     384,    False, 10_000.0),
-    "125m":     (12,     768,     12,    12,       64,       2048,    32_768, True,  10_000.0),
+    "125m":     (12,     768,     12,    12,       64,       2048,    50_304, True,  10_000.0),
     "1b":       (16,     2048,    32,    8,        64,       8192,    128_256, True, 500_000.0),
     "8b":       (32,     4096,    32,    8,        128,      14_336,  128_256, False, 500_000.0),
 }
