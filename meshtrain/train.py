@@ -126,10 +126,10 @@ def train(cfg, workdir: pathlib.Path) -> None:
       eval_due = eval_src is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
       save_due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps
       if eval_due or save_due:
-        t_pause = time.perf_counter()
         if pending:  # keep the log in step order
           emit(*pending)
           pending = None
+        t_pause = time.perf_counter()  # eval and save time is kept out of step_time_s
         if eval_due:
           record = evaluate(state.params, done)
           writer.write(record)
