@@ -35,6 +35,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 100      # async Orbax checkpoint every N steps, and at the end; 0: only at the end
   c.checkpoint_keep = 3         # keep the newest N checkpoints
   c.cpu_devices = 8             # devices to simulate when JAX runs on the CPU (ignored on GPUs)
+  c.xla_flags = ""              # extra XLA flags, after meshtrain's GPU defaults and $XLA_FLAGS (later flags win)
+
+  # Several processes (hosts). Empty / -1: from the environment (meshtrain.launch, SLURM, Open MPI, Kubernetes).
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ""  # host:port of process 0's coordination service
+  c.distributed.num_processes = -1
+  c.distributed.process_id = -1
+  c.distributed.init_timeout_s = 300      # all processes must reach the coordinator within this time
+  c.distributed.heartbeat_timeout_s = 100  # a process silent this long is declared dead and the job stops
 
   # Mesh: size of each named axis inside one node (fast links). One size may be -1: filled from the device count.
   c.mesh = ml_collections.ConfigDict()
@@ -134,7 +143,8 @@ def _check_choice(key, value, choices):
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
   """Checks everything that can be checked without devices; mesh and sharding checks come later, also before compile."""
-  positive = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "log_every": cfg.log_every,
+  positive = {"distributed.init_timeout_s": cfg.distributed.init_timeout_s,
+              "distributed.heartbeat_timeout_s": cfg.distributed.heartbeat_timeout_s, "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "log_every": cfg.log_every,
               "checkpoint_keep": cfg.checkpoint_keep, "cpu_devices": cfg.cpu_devices,
               "eval_batches": cfg.eval_batches, "optimizer.grad_accum_steps": cfg.optimizer.grad_accum_steps,
               **{f"model.{k}": cfg.model[k] for k in ("vocab_size", "num_layers", "d_model", "num_heads",

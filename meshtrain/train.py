@@ -38,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg, workdir: pathlib.Path) -> None:
   # Heavy imports after argument checks, so a typo is reported in a fraction of a second.
-  from meshtrain import mesh as mesh_lib
-  mesh_lib.simulate_cpu_devices(cfg.cpu_devices)  # before any JAX computation initialises the backends
+  from meshtrain import runtime
+  runtime.start(cfg)  # XLA flags, CPU devices, distributed runtime: before JAX initialises its backends
   import jax
   import jax.numpy as jnp
-  from meshtrain import checkpoint, data, layout as layout_lib, sharding
+  from meshtrain import checkpoint, data, layout as layout_lib, mesh as mesh_lib, sharding
   from meshtrain.metrics import MetricsWriter
 
   is_main = jax.process_index() == 0

@@ -1,0 +1,111 @@
+"""Start N real training processes on this machine, standing in for N hosts.
+
+  python -m meshtrain.launch --processes 2 --devices-per-process 4 -- --config configs/tiny.py --workdir runs/x
+
+Each process runs `python -m meshtrain.train <train args> --config.cpu_devices=M` with the JAX distributed
+runtime on 127.0.0.1 (gloo collectives between CPU processes). Output lines are prefixed `[pN]`. SIGTERM and
+SIGINT are passed on to every process (they checkpoint and stop together). When one process fails, the others
+are stopped and the launcher exits with the failed process's code.
+"""
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+GRACE_S = 30  # after a failure, how long the survivors get to stop before SIGKILL
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _relay(stream, prefix: str, out) -> None:
+  # Progress bars end lines with \r: split on both so a bar still updates in place, with its prefix.
+  pending = b""
+  for chunk in iter(lambda: stream.read1(4096), b""):
+    pending += chunk
+    while True:
+      cut = min((i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0), default=-1)
+      if cut < 0:
+        break
+      line, end, pending = pending[:cut], pending[cut:cut + 1], pending[cut + 1:]
+      out.write(prefix + line.decode(errors="replace") + end.decode())
+      out.flush()
+  if pending:
+    out.write(prefix + pending.decode(errors="replace") + "\n")
+    out.flush()
+
+
+def launch(processes: int, devices_per_process: int, train_args: list[str], module: str = "meshtrain.train") -> int:
+  address = f"127.0.0.1:{free_port()}"
+  procs, relays = [], []
+  for i in range(processes):
+    env = {**os.environ, "JAX_COORDINATOR_ADDRESS": address, "MESHTRAIN_NUM_PROCESSES": str(processes),
+           "MESHTRAIN_PROCESS_ID": str(i), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+           "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", module, *train_args, f"--config.cpu_devices={devices_per_process}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs.append(proc)
+    for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+      relays.append(threading.Thread(target=_relay, args=(stream, f"[p{i}] ", out), daemon=True))
+      relays[-1].start()
+
+  def forward(signum, _frame):
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    failed = None
+    while True:
+      failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+      if failed is not None or all(p.poll() is not None for p in procs):
+        break
+      time.sleep(0.1)
+    if failed is not None:
+      print(f"[launch] process {failed} exited with code {procs[failed].returncode}; stopping the others",
+            file=sys.stderr, flush=True)
+      for p in procs:
+        if p.poll() is None:
+          p.terminate()
+      deadline = time.monotonic() + GRACE_S
+      for p in procs:
+        try:
+          p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+          p.kill()
+          p.wait()
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  for t in relays:
+    t.join(timeout=5)
+  return procs[failed].returncode if failed is not None else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if "--" not in argv:
+    print("error: put the training arguments after --, e.g. python -m meshtrain.launch --processes 2 "
+          "--devices-per-process 4 -- --config configs/tiny.py --workdir runs/x", file=sys.stderr)
+    return 2
+  split = argv.index("--")
+  parser = argparse.ArgumentParser(prog="python -m meshtrain.launch", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--processes", type=int, required=True, help="processes to start (stand-ins for hosts)")
+  parser.add_argument("--devices-per-process", type=int, required=True, help="simulated CPU devices per process")
+  args = parser.parse_args(argv[:split])
+  if args.processes < 1 or args.devices_per_process < 1:
+    print("error: --processes and --devices-per-process must be at least 1", file=sys.stderr)
+    return 2
+  code = launch(args.processes, args.devices_per_process, argv[split + 1:])
+  return code if code >= 0 else 128 - code  # killed by signal N: report 128 + N, as shells do
+
+
+if __name__ == "__main__":
+  sys.exit(main())

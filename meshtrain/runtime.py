@@ -1,0 +1,76 @@
+"""Process start-up: XLA flags, simulated CPU devices and the JAX distributed runtime, in the order JAX needs.
+
+Everything here must happen before JAX initialises its backends, so entry points call `start(cfg)` first.
+
+Where the process count comes from, first match wins:
+  1. the config (`distributed.coordinator_address`, `num_processes`, `process_id`);
+  2. meshtrain's launcher or a Kubernetes indexed Job: JAX_COORDINATOR_ADDRESS with MESHTRAIN_NUM_PROCESSES and
+     MESHTRAIN_PROCESS_ID (or JOB_COMPLETION_INDEX);
+  3. SLURM (srun) or Open MPI (mpirun), detected by JAX itself.
+One process with none of these set runs alone, without the distributed runtime.
+"""
+import os
+
+from meshtrain.errors import UserError
+
+# GPU flags that matter for multi-device training (ignored by the CPU backend). The latency-hiding scheduler
+# overlaps collectives with compute; combining small collectives into large ones amortises NCCL launch cost;
+# pipelined FSDP collectives start the next layer's all-gather during this layer's compute.
+GPU_XLA_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+
+
+def xla_flags(extra: str, environment: str) -> str:
+  """meshtrain's defaults, then the user's XLA_FLAGS, then the config's `xla_flags`: later flags win."""
+  return " ".join(part for part in (" ".join(GPU_XLA_FLAGS), environment, extra) if part)
+
+
+def _cluster_settings(dist_cfg) -> dict | None:
+  """Arguments for jax.distributed.initialize, or None for a single process."""
+  env = os.environ
+  address = dist_cfg.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS", "")
+  count = dist_cfg.num_processes if dist_cfg.num_processes > 0 else int(env.get("MESHTRAIN_NUM_PROCESSES", -1))
+  index = dist_cfg.process_id if dist_cfg.process_id >= 0 else int(
+      env.get("MESHTRAIN_PROCESS_ID", env.get("JOB_COMPLETION_INDEX", -1)))
+  if address and count > 0 and index >= 0:
+    if count == 1:
+      return None
+    if index >= count:
+      raise UserError(f"process id {index} is out of range for {count} processes; ids run 0..{count - 1}")
+    return {"coordinator_address": address, "num_processes": count, "process_id": index}
+  if int(env.get("SLURM_NTASKS", 1)) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
+    return {}  # JAX reads the scheduler's variables itself
+  if address or count > 1:
+    raise UserError(f"incomplete distributed settings: coordinator {address or '(none)'}, {count} processes, "
+                    f"process id {index}; give all three (config distributed.*, or JAX_COORDINATOR_ADDRESS, "
+                    "MESHTRAIN_NUM_PROCESSES and MESHTRAIN_PROCESS_ID), or launch with srun / mpirun")
+  return None
+
+
+def start(cfg) -> None:
+  """XLA flags, simulated CPU devices, then the distributed runtime; call before any JAX computation."""
+  os.environ["XLA_FLAGS"] = xla_flags(cfg.xla_flags, os.environ.get("XLA_FLAGS", ""))
+  settings = _cluster_settings(cfg.distributed)
+  from meshtrain import mesh  # imports jax: only after XLA_FLAGS is final
+  mesh.simulate_cpu_devices(cfg.cpu_devices)
+  if settings is None:
+    return
+  import jax
+  timeout = cfg.distributed.init_timeout_s
+  try:
+    jax.distributed.initialize(**settings, initialization_timeout=timeout,
+                               heartbeat_timeout_seconds=cfg.distributed.heartbeat_timeout_s)
+  except Exception as e:  # the runtime reports a missing peer as a generic deadline error
+    where = settings.get("coordinator_address", "the coordinator found by SLURM / Open MPI")
+    raise UserError(f"the JAX distributed runtime did not start: not all {settings.get('num_processes', '')} "
+                    f"processes reached coordinator {where} within distributed.init_timeout_s={timeout} s. Check "
+                    f"that every process was started with the same address and count, and that the port is "
+                    f"reachable ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e

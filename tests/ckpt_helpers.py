@@ -1,0 +1,19 @@
+"""Reading a checkpoint's parameters in a test, whatever mesh or process count wrote it."""
+import jax
+
+from meshtrain import checkpoint, config, layout, mesh
+
+
+def restore_params(workdir, step, **config_overrides):
+  """The parameters saved at `step` under `workdir`, restored onto one device as host arrays."""
+  cfg = config.base_config()
+  cfg.seq_len = 64
+  for key, value in config_overrides.items():
+    cfg[key] = value
+  cfg.mesh.data = 1
+  one = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1]), 256)
+  ckpt = checkpoint.Checkpointer(workdir, keep=100)
+  try:
+    return jax.device_get(ckpt.restore_state(step, one.state_abstract).params)
+  finally:
+    ckpt.close()

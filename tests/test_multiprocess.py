@@ -1,0 +1,54 @@
+"""Several real processes (jax.distributed on 127.0.0.1, gloo) train exactly like one process with 8 devices."""
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from ckpt_helpers import restore_params
+
+from meshtrain import train
+
+ARGS = ["--config", "configs/tiny.py", "--config.steps=4", "--config.seq_len=64", "--config.log_every=1",
+        "--config.eval_every=4", "--config.eval_batches=1", "--config.checkpoint_every=2",
+        "--config.optimizer.warmup_steps=1", "--config.mesh.data=-1"]
+
+
+def launch(processes, devices, workdir, *extra, timeout=300):
+  return subprocess.run([sys.executable, "-m", "meshtrain.launch", "--processes", str(processes),
+                         "--devices-per-process", str(devices), "--", *ARGS, "--workdir", str(workdir), *extra],
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def losses(workdir):
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return [(r["step"], r.get("loss", r.get("eval_loss"))) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("one_process")
+  assert train.main([*ARGS, "--workdir", str(workdir)]) == 0
+  return workdir
+
+
+@pytest.mark.parametrize("processes,devices", [(2, 4), (4, 2)])
+def test_processes_match_one_process(processes, devices, single, tmp_path):
+  proc = launch(processes, devices, tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"[p0] mesh: data=8 x fsdp=1 x tensor=1 (8 cpu devices, {processes} process(es))" in proc.stdout
+  assert "[p1] done" not in proc.stdout and "[p0] done: step 4" in proc.stdout  # only process 0 reports
+  ref, got = losses(single), losses(tmp_path)
+  assert [s for s, _ in got] == [s for s, _ in ref]
+  np.testing.assert_allclose([l for _, l in got], [l for _, l in ref], rtol=2e-5)  # gloo sums in another order
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), restore_params(tmp_path, 4),
+               restore_params(single, 4))
+
+
+def test_launcher_stops_everyone_when_one_fails(tmp_path):
+  # An unknown key fails in every process before the runtime starts; the launcher reports the first failure.
+  proc = launch(2, 4, tmp_path, "--config.nope=1", timeout=120)
+  assert proc.returncode == 2
+  assert "error: unknown config key 'nope'" in proc.stderr and "[launch] process" in proc.stderr
