@@ -1,20 +1,32 @@
-"""Orbax checkpoints: async, sharded, resumable onto any mesh.
+"""Orbax checkpoints: async, sharded, resumable onto any mesh, checked before they are trusted.
 
 Each step directory `WORKDIR/checkpoints/<step>` holds two items: `state` (the sharded TrainState) and `meta`
 (JSON: the data position and the resolved config). Orbax writes into a temporary directory and renames it
-when complete, so a run that dies mid-save never damages an earlier checkpoint and leaves no half step.
+when complete, so a run that dies mid-save leaves no half step, and an earlier checkpoint is never touched.
+Orbax does not notice a step directory that lost its commit marker or metadata; `damage()` does.
 """
+import contextlib
+import logging
+import os
 import pathlib
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-from meshtrain.errors import UserError
+from meshtrain.errors import RunAborted, UserError
+
+# Files every complete step directory has (local file systems; Orbax writes them last or renames into place).
+REQUIRED = ("_CHECKPOINT_METADATA", "commit_success.txt", "state/_METADATA", "state/manifest.ocdbt",
+            "state/commit_success.txt", "meta/metadata")
+DAMAGED_SUFFIX = ".damaged"  # Orbax only lists integer-named directories, so renamed ones are out of its way
 
 
 class Checkpointer:
   def __init__(self, workdir: str | pathlib.Path, keep: int):
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+    _probe_writable(self.directory)
+    self._in_flight = None  # the step of the last async save started: the one a late failure belongs to
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True),
@@ -23,6 +35,11 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def damage(self, step: int) -> str | None:
+    """What is missing from the step directory, or None if every marker and metadata file is there."""
+    missing = [name for name in REQUIRED if not (self.directory / str(step) / name).is_file()]
+    return f"missing {', '.join(missing)}" if missing else None
+
   def read_meta(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
@@ -30,16 +47,90 @@ class Checkpointer:
     """Restores onto the shardings carried by `abstract_state` (ShapeDtypeStructs): any mesh, any device count."""
     return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
 
+  def restore_latest(self, abstract_state, fallback: bool, check_meta) -> tuple[int | None, object, dict | None]:
+    """(step, state, meta) of the newest usable checkpoint, or (None, None, None) if there is none.
+
+    A damaged newest checkpoint is an error naming the step and the damage, unless `fallback`: then its
+    directory is renamed `<step>.damaged` (kept for inspection, never deleted) and the next older one is tried.
+    `check_meta(step, meta)` may refuse a checkpoint (e.g. another model shape) by raising UserError.
+    """
+    while (step := self.latest_step()) is not None:
+      problem = self.damage(step)
+      if problem is None:
+        try:
+          meta = self.read_meta(step)
+          check_meta(step, meta)
+          with _quiet_logs():
+            return step, self.restore_state(step, abstract_state), meta
+        except UserError:
+          raise
+        except Exception as e:  # Orbax reports truncated or missing data files in many ways
+          problem = f"restore failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      where = self.directory / str(step)
+      if not fallback:
+        raise UserError(f"the checkpoint at step {step} ({where}) is damaged: {problem}. To resume from the previous "
+                        f"good checkpoint, rerun with --config.checkpoint_fallback=true (the damaged directory is "
+                        f"kept, renamed to {step}{DAMAGED_SUFFIX})")
+      if jax.process_index() == 0:
+        where.rename(where.with_name(f"{step}{DAMAGED_SUFFIX}"))
+        print(f"checkpoint at step {step} is damaged ({problem}); renamed it to {step}{DAMAGED_SUFFIX} and falling "
+              f"back to the previous one", flush=True)
+      multihost_utils.sync_global_devices(f"meshtrain fallback from {step}")
+      self._manager.reload()
+    return None, None, None
+
   def save(self, step: int, state, meta: dict) -> None:
     """Starts an async save; returns once the device arrays are copied out, so training continues meanwhile."""
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                       force=True)
+    try:
+      self._manager.wait_until_finished()  # a failure of the previous async save surfaces here, under its step
+      self._in_flight = step
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:
+      raise self._write_error(e) from e
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Blocks until the save in flight is committed; a write failure becomes a RunAborted naming its step."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      raise self._write_error(e) from e
+
+  def _write_error(self, e) -> RunAborted:
+    return RunAborted(f"the checkpoint of step {self._in_flight} could not be written to "
+                      f"{self.directory}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. The run stopped rather "
+                      f"than continue unsaved; earlier checkpoints are intact (latest committed: "
+                      f"{_committed(self.directory)}). Free space or fix the directory, then rerun to resume")
 
   def close(self) -> None:
     self._manager.close()
+
+
+@contextlib.contextmanager
+def _quiet_logs():
+  """Orbax logs a traceback for a failed read before raising; the caller reports the failure in one line."""
+  logging.disable(logging.ERROR)
+  try:
+    yield
+  finally:
+    logging.disable(logging.NOTSET)
+
+
+def _committed(directory: pathlib.Path) -> str:
+  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+  return str(steps[-1]) if steps else "none"
+
+
+def _probe_writable(directory: pathlib.Path) -> None:
+  """Fails at start, not at the first save an hour later, when the checkpoint directory cannot be written."""
+  probe = directory / f".write-probe-{jax.process_index()}-{os.getpid()}"
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b"meshtrain")
+    probe.unlink()
+  except OSError as e:
+    raise UserError(f"cannot write checkpoints to {directory}: {e.strerror or e}. Choose a --workdir on a writable "
+                    "file system with free space") from e
 
 
 def check_compatible(saved_config: dict, model_cfg, shape_fields: tuple[str, ...], step: int, directory) -> None:
@@ -50,8 +141,3 @@ def check_compatible(saved_config: dict, model_cfg, shape_fields: tuple[str, ...
   if diffs:
     raise UserError(f"the checkpoint at step {step} in {directory} was written by a different model shape:\n  "
                     + "\n  ".join(diffs) + "\nuse the same model settings to resume, or a new --workdir to start over")
-
-
-def abstract_like(tree):
-  """ShapeDtypeStructs (with shardings) of a tree of arrays or of ShapeDtypeStructs."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

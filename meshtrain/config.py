@@ -35,6 +35,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 100      # async Orbax checkpoint every N steps, and at the end; 0: only at the end
   c.checkpoint_keep = 3         # keep the newest N checkpoints
   c.cpu_devices = 8             # devices to simulate when JAX runs on the CPU (ignored on GPUs)
+  c.nonfinite = "stop"          # a step with NaN/inf loss or gradients: stop (keep the last good checkpoint) | skip
+  c.watchdog_s = 600.0          # no progress for this long (a hung collective, a dead peer): dump stacks, exit 4; 0: off
+  c.checkpoint_fallback = False  # latest checkpoint damaged: resume from the previous good one (renaming, not deleting)
+  c.compilation_cache_dir = "~/.cache/meshtrain/xla"  # persistent XLA cache: a rerun skips compiling; "" disables
   c.xla_flags = ""              # extra XLA flags, after meshtrain's GPU defaults and $XLA_FLAGS (later flags win)
 
   # Several processes (hosts). Empty / -1: from the environment (meshtrain.launch, SLURM, Open MPI, Kubernetes).
@@ -69,6 +73,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay = 0.1      # decoupled (AdamW); never applied to norm scales
   c.optimizer.grad_clip = 1.0         # global-norm clipping; 0 disables
   c.optimizer.grad_accum_steps = 1    # micro-batches per step: the batch is split, gradients are summed
+
+  # Fault injection, for testing the recovery paths; leave off in real runs.
+  c.faults = ml_collections.ConfigDict()
+  c.faults.nan_at_step = -1     # poison the gradients of this step with NaN
 
   c.data = ml_collections.ConfigDict()
   c.data.name = "python_stdlib"  # python_stdlib (built locally) | synthetic | any TFDS dataset name
@@ -152,12 +160,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   for key, value in positive.items():
     if value <= 0:
       raise UserError(f"config key {key!r} must be positive, got {value}")
-  non_negative = {"eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every,
+  non_negative = {"eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every, "watchdog_s": cfg.watchdog_s,
                   "optimizer.warmup_steps": cfg.optimizer.warmup_steps}
   for key, value in non_negative.items():
     if value < 0:
       raise UserError(f"config key {key!r} must be >= 0, got {value}")
   m = cfg.model
+  _check_choice("nonfinite", cfg.nonfinite, ("stop", "skip"))
   _check_choice("model.remat", m.remat, REMAT_POLICIES)
   _check_choice("model.dtype", m.dtype, DTYPES)
   _check_choice("model.param_dtype", m.param_dtype, DTYPES)

@@ -7,3 +7,11 @@ escapes is a bug in meshtrain and is allowed to traceback.
 
 class UserError(Exception):
   """Raised for input a user can correct; the message says what is wrong and how to fix it."""
+
+
+class RunAborted(Exception):
+  """The run stopped on purpose to protect its results (non-finite loss, a checkpoint that could not be written).
+
+  Entry points print the message and exit with code 3, without a traceback: nothing is broken in meshtrain,
+  and the last good checkpoint is intact.
+  """

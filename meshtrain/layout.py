@@ -45,7 +45,7 @@ class Layout:
   def _init(self, key):
     tokens = jnp.zeros((self.micro_batch, self.cfg.seq_len), jnp.int32)
     params = nn.meta.unbox(self.model.init(key, tokens)["params"])
-    return step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+    return step_lib.TrainState.create(params, self.tx.init(params))
 
   def init(self, seed: int) -> step_lib.TrainState:
     """A fresh state, created directly in its shardings: no device ever holds a full replica."""
@@ -59,7 +59,8 @@ class Layout:
   def compile_train_step(self):
     """The train step compiled ahead of time: state donated, every input and output sharding explicit."""
     fn = functools.partial(step_lib.train_step, apply_fn=self.model.apply, tx=self.tx, schedule=self.schedule,
-                           pad_id=self.pad_id, accum_steps=self.cfg.optimizer.grad_accum_steps)
+                           pad_id=self.pad_id, accum_steps=self.cfg.optimizer.grad_accum_steps,
+                           nan_at_step=self.cfg.faults.nan_at_step)
     replicated = NamedSharding(self.mesh, P())
     with self.context():
       return jax.jit(fn, in_shardings=(self.state_sharding, self.batch_sharding),
@@ -102,7 +103,8 @@ def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
   # Optimizer moments take their parameter's sharding; without this, jit would put them all on one device.
   opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, nn.meta.unbox(boxed)), param_sh,
                                  transform_non_params=lambda _: replicated)
-  state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+  state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh, nonfinite_steps=replicated,
+                                 last_nonfinite_step=replicated)
   layout = Layout(cfg, mesh, rules, model, tx, optim.learning_rate_schedule(cfg.optimizer, cfg.steps), table,
                   state_sh, sharding.batch_sharding(mesh, rules), None, pad_id)
   abstract = jax.eval_shape(layout._init, jax.random.key(0))

@@ -61,9 +61,13 @@ def start(cfg) -> None:
   settings = _cluster_settings(cfg.distributed)
   from meshtrain import mesh  # imports jax: only after XLA_FLAGS is final
   mesh.simulate_cpu_devices(cfg.cpu_devices)
+  import jax
+  if cfg.compilation_cache_dir:
+    # Restarts after preemption or a crash recompile the same program: fetch it from disk instead.
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   if settings is None:
     return
-  import jax
   timeout = cfg.distributed.init_timeout_s
   try:
     jax.distributed.initialize(**settings, initialization_timeout=timeout,

@@ -13,9 +13,16 @@ import optax
 
 
 class TrainState(flax.struct.PyTreeNode):
-  step: jax.Array  # int32 scalar: updates applied so far
+  step: jax.Array  # int32 scalar: steps taken so far (the data position), skipped updates included
   params: Any
   opt_state: Any
+  nonfinite_steps: jax.Array  # int32: steps whose loss or gradients were not finite (their update was dropped)
+  last_nonfinite_step: jax.Array  # int32: the latest such step, 0 if none
+
+  @classmethod
+  def create(cls, params, opt_state) -> "TrainState":
+    zero = jnp.zeros((), jnp.int32)
+    return cls(step=zero, params=params, opt_state=opt_state, nonfinite_steps=zero, last_nonfinite_step=zero)
 
 
 def loss_sums(params, batch, *, apply_fn: Callable, pad_id: int):
@@ -29,8 +36,13 @@ def loss_sums(params, batch, *, apply_fn: Callable, pad_id: int):
 
 
 def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransformation, schedule: optax.Schedule,
-               pad_id: int, accum_steps: int = 1):
-  """One optimizer update on a global batch; returns the new state and scalar metrics (left on device)."""
+               pad_id: int, accum_steps: int = 1, nan_at_step: int = -1):
+  """One optimizer update on a global batch; returns the new state and scalar metrics (left on device).
+
+  A step whose loss or gradients are not finite leaves parameters and optimizer state unchanged (so a NaN state
+  can never be saved) and is counted in the state; the host decides whether to stop or carry on.
+  `nan_at_step` poisons that step's gradients: fault injection for testing exactly this path.
+  """
   grad_fn = jax.value_and_grad(lambda p, b: loss_sums(p, b, apply_fn=apply_fn, pad_id=pad_id), has_aux=True)
   if accum_steps == 1:
     (loss_sum, count), grads = grad_fn(state.params, batch)
@@ -46,13 +58,23 @@ def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransfor
 
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
     (loss_sum, count, grads), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+  step = state.step + 1
+  if nan_at_step >= 0:
+    poison = jnp.where(step == nan_at_step, jnp.nan, 1.0)
+    loss_sum, grads = loss_sum * poison, jax.tree.map(lambda g: g * poison, grads)
   # Mean over every target token of the global batch, however it was split into micro-batches.
   grads = jax.tree.map(lambda g: g / count, grads)
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
-             "learning_rate": schedule(state.step), "tokens": count}
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  state = state.replace(step=step, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+                        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+                        last_nonfinite_step=jnp.where(finite, state.last_nonfinite_step, step))
+  metrics = {"loss": loss_sum / count, "grad_norm": grad_norm, "learning_rate": schedule(step - 1), "tokens": count,
+             "nonfinite_steps": state.nonfinite_steps, "last_nonfinite_step": state.last_nonfinite_step}
+  return state, metrics
 
 
 def eval_step(params, batch, *, apply_fn, pad_id: int):

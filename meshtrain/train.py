@@ -2,8 +2,10 @@
 
   python -m meshtrain.train --config configs/tiny.py --workdir runs/tiny [--config.KEY=VALUE ...]
 
-Re-running the same command with the same workdir resumes from the latest checkpoint, on whatever mesh the
-new command asks for. Every user mistake is reported before anything compiles, with exit code 2.
+Re-running the same command with the same workdir resumes from the latest checkpoint, on whatever mesh and
+process count the new command has. Exit codes: 0 done or preempted (checkpoint saved), 2 a user mistake
+(reported before anything compiles), 3 stopped to protect results (non-finite loss, a checkpoint that could
+not be written), 4 hang watchdog.
 """
 import argparse
 import functools
@@ -14,7 +16,7 @@ import sys
 import time
 
 from meshtrain import config as config_lib
-from meshtrain.errors import UserError
+from meshtrain.errors import RunAborted, UserError
 
 
 def parse_args(argv: list[str]):
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except RunAborted as e:
+    print(f"stopped: {e}", file=sys.stderr)
+    return 3
   return 0
 
 
@@ -44,27 +49,28 @@ def train(cfg, workdir: pathlib.Path) -> None:
   import jax.numpy as jnp
   from meshtrain import checkpoint, data, layout as layout_lib, mesh as mesh_lib, sharding
   from meshtrain.metrics import MetricsWriter
+  from meshtrain.preemption import PreemptionNotice
+  from meshtrain.watchdog import Watchdog
 
   is_main = jax.process_index() == 0
   log = functools.partial(print, flush=True) if is_main else (lambda *a, **k: None)
 
-  # --- Layout, checkpoint compatibility and data: every user mistake surfaces here, before any compile. ---
+  # --- Layout, data and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh, data.PAD_ID)
   log(f"mesh: {mesh_lib.describe(mesh)}; sharding rules: {cfg.sharding.rules}")
   log(sharding.format_table(layout.table))
-  workdir.mkdir(parents=True, exist_ok=True)
-  ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep)
-  resume_step = ckpt.latest_step()
-  if resume_step is not None:
-    meta = ckpt.read_meta(resume_step)
-    checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, resume_step, ckpt.directory)
-    if resume_step >= cfg.steps:
-      log(f"{ckpt.directory} already holds step {resume_step} >= steps={cfg.steps}; nothing to do "
-          f"(raise --config.steps to train further)")
-      return
   train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
+  ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep)
+  check = lambda step, meta: checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, step,
+                                                         ckpt.directory)
+  # Restored straight into this run's shardings: another mesh or process count needs no conversion.
+  start, state, _ = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
+  if start is not None and start >= cfg.steps:
+    log(f"{ckpt.directory} already holds step {start} >= steps={cfg.steps}; nothing to do "
+        f"(raise --config.steps to train further)")
+    return
   if is_main:
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
@@ -72,19 +78,16 @@ def train(cfg, workdir: pathlib.Path) -> None:
   train_fn = layout.compile_train_step()
   log(f"train step compiled in {time.perf_counter() - t0:.1f}s; {compiled_summary(train_fn)}")
   eval_fn = layout.compile_eval_step() if eval_src is not None else None
-
-  if resume_step is None:
-    state = layout.init(cfg.seed)
-    start = 0
+  if start is None:
+    state, start = layout.init(cfg.seed), 0
     log(f"initialised {sum(r.size for r in layout.table):,} parameters")
   else:
-    state = ckpt.restore_state(resume_step, layout.state_abstract)
-    start = resume_step
-    log(f"resumed from {ckpt.directory / str(resume_step)}")
+    log(f"resumed from {ckpt.directory / str(start)}")
 
   def evaluate(params, at_step):
     sums = None
     for i in range(cfg.eval_batches):
+      watchdog.beat(at_step, f"evaluation batch {i}")
       out = eval_fn(params, data.global_batch(eval_src, i, layout.micro_batch, layout.batch_sharding))
       sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
     sums = jax.device_get(sums)
@@ -94,29 +97,56 @@ def train(cfg, workdir: pathlib.Path) -> None:
     return record
 
   def save(at_step):
+    if cfg.nonfinite == "stop":  # a save is a sync point anyway: never keep a run that should have stopped
+      check_finite(jax.device_get({k: getattr(state, k) for k in ("nonfinite_steps", "last_nonfinite_step")}))
+    watchdog.beat(at_step, "saving a checkpoint")
     ckpt.save(at_step, state, {"config": cfg.to_dict(),
                                "data": {"next_step": at_step, "seed": cfg.seed, "batch_size": cfg.batch_size,
                                         "name": cfg.data.name}})
 
+  seen_nonfinite = int(jax.device_get(state.nonfinite_steps))
+
+  def check_finite(metrics):
+    if int(metrics["nonfinite_steps"]) > seen_nonfinite and cfg.nonfinite == "stop":
+      raise RunAborted(f"the loss or gradients of step {int(metrics['last_nonfinite_step'])} are not finite; the "
+                       f"update was dropped and nothing after it was saved (latest checkpoint: "
+                       f"{ckpt.latest_step()}). Lower the learning rate or rerun with --config.nonfinite=skip to skip "
+                       f"such steps")
+
   # --- The loop. The host only waits for the device when metrics are due, and then for the previous step. ---
   writer = MetricsWriter(workdir, cfg.steps, start, enabled=is_main)
   batches = data.Prefetcher(train_src, start, cfg.batch_size, layout.batch_sharding)
+  preemption = PreemptionNotice()
+  watchdog = Watchdog(cfg.watchdog_s, workdir, jax.process_index())
   pending = None                                  # (step, metrics on device) to fetch after the next dispatch
   clock = {"t": time.perf_counter(), "step": start, "excluded": 0.0}
 
   def emit(done, metrics):
+    watchdog.beat(done, f"waiting for step {done}")
     metrics = jax.device_get(metrics)
+    check_finite(metrics)
     now = time.perf_counter()
     seconds = (now - clock["t"] - clock["excluded"]) / max(done - clock["step"], 1)
     clock.update(t=now, step=done, excluded=0.0)
     writer.write({"step": done, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
                   "grad_norm": float(metrics["grad_norm"]), "step_time_s": seconds,
-                  "tokens_per_sec": cfg.batch_size * cfg.seq_len / seconds})
+                  "tokens_per_sec": cfg.batch_size * cfg.seq_len / seconds,
+                  **({"skipped_steps": int(metrics["nonfinite_steps"])} if metrics["nonfinite_steps"] else {})})
 
   try:
     for done in range(start + 1, cfg.steps + 1):
+      watchdog.beat(done, "loading data")
       _, batch = next(batches)
+      watchdog.beat(done, "dispatching the step")
       state, metrics = train_fn(state, batch)
+      if preemption.reached(done):
+        if pending:
+          emit(*pending)
+        emit(done, metrics)  # the log ends with the step the checkpoint holds
+        save(done)
+        ckpt.wait()
+        writer.print(f"preempted: saved step {done} to {ckpt.directory / str(done)}; rerun the same command to resume")
+        return
       if pending:
         emit(*pending)
         pending = None
@@ -140,11 +170,17 @@ def train(cfg, workdir: pathlib.Path) -> None:
         clock["excluded"] += time.perf_counter() - t_pause
     if pending:
       emit(*pending)
+    watchdog.beat(cfg.steps, "committing the last checkpoint")
+    ckpt.wait()
   finally:
+    watchdog.close()
+    preemption.close()
     batches.close()
-    ckpt.wait()   # an async save in flight is committed before the process exits
-    ckpt.close()
-    writer.close()
+    try:
+      ckpt.wait()   # an async save in flight is committed (or fails) before the process exits
+    finally:
+      ckpt.close()
+      writer.close()
   log(f"done: step {cfg.steps}; checkpoints in {ckpt.directory}; metrics in {writer.path}")
 
 
