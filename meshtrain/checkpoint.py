@@ -6,9 +6,11 @@ when complete, so a run that dies mid-save leaves no half step, and an earlier c
 Orbax does not notice a step directory that lost its commit marker or metadata; `damage()` does.
 """
 import contextlib
-import logging
+import gc
 import os
 import pathlib
+import sys
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -59,13 +61,25 @@ class Checkpointer:
       if problem is None:
         try:
           meta = self.read_meta(step)
-          check_meta(step, meta)
-          with _quiet_logs():
-            return step, self.restore_state(step, abstract_state), meta
-        except UserError:
-          raise
-        except Exception as e:  # Orbax reports truncated or missing data files in many ways
-          problem = f"restore failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        except Exception as e:
+          meta, problem = None, f"its meta item cannot be read ({type(e).__name__}: {str(e)[:200]})"
+      if problem is None:
+        check_meta(step, meta)
+        log = self.directory.parent / "diagnostics" / f"restore-step{step}-process{jax.process_index()}.log"
+        with _stderr_to(log):
+          try:
+            restored = self.restore_state(step, abstract_state)
+          except Exception as e:  # Orbax reports truncated or missing data files in many ways
+            problem = (f"restore failed: {str(e).split('. See full TensorStore details')[0].splitlines()[0][:300]}"
+                       f" (Orbax's own report: {log})")
+          if problem:
+            # The failed read leaves sibling reads behind whose errors nobody retrieves: let them finish and be
+            # collected now, while their tracebacks still go to the log.
+            time.sleep(0.5)
+            gc.collect()
+        if problem is None:
+          log.unlink()
+          return step, restored, meta
       where = self.directory / str(step)
       if not fallback:
         raise UserError(f"the checkpoint at step {step} ({where}) is damaged: {problem}. To resume from the previous "
@@ -107,13 +121,20 @@ class Checkpointer:
 
 
 @contextlib.contextmanager
-def _quiet_logs():
-  """Orbax logs a traceback for a failed read before raising; the caller reports the failure in one line."""
-  logging.disable(logging.ERROR)
-  try:
-    yield
-  finally:
-    logging.disable(logging.NOTSET)
+def _stderr_to(path: pathlib.Path):
+  """Sends file descriptor 2 to `path`: a failed Orbax read makes it and TensorStore's threads print tracebacks,
+  which belong in a log, not in the one-line error."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with open(path, "w") as f:
+    os.dup2(f.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
 
 
 def _committed(directory: pathlib.Path) -> str:
