@@ -3,7 +3,6 @@ a checkpoint directory that cannot be written. Each asserts nothing is lost and 
 import json
 import os
 import pathlib
-import resource
 import shutil
 import signal
 import subprocess
@@ -27,9 +26,9 @@ def command(workdir, *extra, processes=1):
           str(8 // processes), "--", *ARGS, "--workdir", str(workdir), *extra]
 
 
-def run(workdir, *extra, processes=1, timeout=300, **kwargs):
+def run(workdir, *extra, processes=1, timeout=300):
   return subprocess.run(command(workdir, *extra, processes=processes), capture_output=True, text=True,
-                        timeout=timeout, **kwargs)
+                        timeout=timeout)
 
 
 def start(workdir, *extra, processes=1):
@@ -228,16 +227,20 @@ def test_elastic_resume_one_to_two_processes_and_back(reference, tmp_path):
   assert_params_equal(tmp_path / "b", reference, 24, exact=False)
 
 
-def _limit_file_size():
-  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, like a full disk
-  resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+# Runs the train command with files capped at 1 MB: a checkpoint write then fails with EFBIG, like a full disk
+# (SIGXFSZ ignored so the write returns an error instead of killing the process). Both settings survive exec.
+FILE_SIZE_LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                     "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000)); "
+                     "os.execv(sys.executable, [sys.executable, '-m', 'meshtrain.train', *sys.argv[1:]])")
 
 
 def test_checkpoint_that_cannot_be_written_stops_the_run(reference, tmp_path):
   shutil.copytree(reference, tmp_path / "run")
   workdir = tmp_path / "run"
   truncate_checkpoints(workdir, 8)
-  proc = run(workdir, preexec_fn=_limit_file_size)
+  cmd = command(workdir)
+  proc = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, *cmd[3:]], capture_output=True, text=True,
+                        timeout=300)
   assert proc.returncode == 3
   assert "stopped: the checkpoint of step 12 could not be written" in proc.stderr
   assert "earlier checkpoints are intact (latest committed: 8)" in proc.stderr
