@@ -25,13 +25,14 @@ DAMAGED_SUFFIX = ".damaged"  # Orbax only lists integer-named directories, so re
 
 
 class Checkpointer:
-  def __init__(self, workdir: str | pathlib.Path, keep: int):
+  def __init__(self, workdir: str | pathlib.Path, keep: int, barrier_timeout_s: int = 1200):
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     _probe_writable(self.directory)
     self._in_flight = None  # the step of the last async save started: the one a late failure belongs to
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
+                                             async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s)),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:

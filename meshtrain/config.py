@@ -48,6 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.distributed.process_id = -1
   c.distributed.init_timeout_s = 300      # all processes must reach the coordinator within this time
   c.distributed.heartbeat_timeout_s = 100  # a process silent this long is declared dead and the job stops
+  c.distributed.barrier_timeout_s = 1200   # longest wait for all processes at a checkpoint barrier
 
   # Mesh: size of each named axis inside one node (fast links). One size may be -1: filled from the device count.
   c.mesh = ml_collections.ConfigDict()
@@ -152,7 +153,8 @@ def _check_choice(key, value, choices):
 def validate(cfg: ml_collections.ConfigDict) -> None:
   """Checks everything that can be checked without devices; mesh and sharding checks come later, also before compile."""
   positive = {"distributed.init_timeout_s": cfg.distributed.init_timeout_s,
-              "distributed.heartbeat_timeout_s": cfg.distributed.heartbeat_timeout_s, "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "log_every": cfg.log_every,
+              "distributed.heartbeat_timeout_s": cfg.distributed.heartbeat_timeout_s,
+              "distributed.barrier_timeout_s": cfg.distributed.barrier_timeout_s, "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "log_every": cfg.log_every,
               "checkpoint_keep": cfg.checkpoint_keep, "cpu_devices": cfg.cpu_devices,
               "eval_batches": cfg.eval_batches, "optimizer.grad_accum_steps": cfg.optimizer.grad_accum_steps,
               **{f"model.{k}": cfg.model[k] for k in ("vocab_size", "num_layers", "d_model", "num_heads",

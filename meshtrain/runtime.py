@@ -10,6 +10,8 @@ Where the process count comes from, first match wins:
 One process with none of these set runs alone, without the distributed runtime.
 """
 import os
+import sys
+import threading
 
 from meshtrain.errors import UserError
 
@@ -69,12 +71,24 @@ def start(cfg) -> None:
   if settings is None:
     return
   timeout = cfg.distributed.init_timeout_s
+  where = settings.get("coordinator_address", "the coordinator found by SLURM / Open MPI")
+  message = (f"the JAX distributed runtime did not start: not all {settings.get('num_processes', '')} processes "
+             f"reached coordinator {where} within distributed.init_timeout_s={timeout} s. Check that every process "
+             "was started with the same address and process count, and that the port is reachable")
+  # A missing peer makes the runtime abort the process from C++ (no Python exception, a fatal-error dump);
+  # this timer fires first and ends the process with the message instead.
+  timer = threading.Timer(timeout, _exit_with, args=(message,))
+  timer.daemon = True
+  timer.start()
   try:
-    jax.distributed.initialize(**settings, initialization_timeout=timeout,
+    jax.distributed.initialize(**settings, initialization_timeout=timeout + 30,
                                heartbeat_timeout_seconds=cfg.distributed.heartbeat_timeout_s)
-  except Exception as e:  # the runtime reports a missing peer as a generic deadline error
-    where = settings.get("coordinator_address", "the coordinator found by SLURM / Open MPI")
-    raise UserError(f"the JAX distributed runtime did not start: not all {settings.get('num_processes', '')} "
-                    f"processes reached coordinator {where} within distributed.init_timeout_s={timeout} s. Check "
-                    f"that every process was started with the same address and count, and that the port is "
-                    f"reachable ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+  except Exception as e:
+    raise UserError(f"{message} ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+  finally:
+    timer.cancel()
+
+
+def _exit_with(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  os._exit(2)

@@ -62,7 +62,7 @@ def train(cfg, workdir: pathlib.Path) -> None:
   log(sharding.format_table(layout.table))
   train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
-  ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep)
+  ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)
   check = lambda step, meta: checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, step,
                                                          ckpt.directory)
   # Restored straight into this run's shardings: another mesh or process count needs no conversion.

@@ -255,3 +255,12 @@ def test_unwritable_workdir_is_reported_at_start(tmp_path):
   proc = run(tmp_path / "file" / "run")
   assert proc.returncode == 2
   assert "cannot write checkpoints to" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_peer_is_a_clear_error_not_a_hang(tmp_path):
+  env = {**os.environ, "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "MESHTRAIN_NUM_PROCESSES": "2",
+         "MESHTRAIN_PROCESS_ID": "1"}  # process 0 (the coordinator) never comes
+  proc = subprocess.run(command(tmp_path, "--config.distributed.init_timeout_s=3"), capture_output=True, text=True,
+                        timeout=120, env=env)
+  assert proc.returncode == 2
+  assert "not all 2 processes reached coordinator 127.0.0.1:1 within distributed.init_timeout_s=3 s" in proc.stderr
