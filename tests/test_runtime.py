@@ -1,0 +1,73 @@
+"""Where the process count comes from, the XLA flags meshtrain sets, and the shipped cluster examples."""
+import pathlib
+import subprocess
+
+import pytest
+import yaml
+
+from meshtrain import config, runtime
+from meshtrain.errors import UserError
+
+ROOT = pathlib.Path(__file__).parents[1]
+CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "MESHTRAIN_NUM_PROCESSES", "MESHTRAIN_PROCESS_ID", "JOB_COMPLETION_INDEX",
+                "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+  for var in CLUSTER_VARS:
+    monkeypatch.delenv(var, raising=False)
+  return monkeypatch
+
+
+def settings(**dist):
+  cfg = config.base_config()
+  cfg.distributed.update(dist)
+  return runtime._cluster_settings(cfg.distributed)
+
+
+def test_single_process_by_default(clean_env):
+  assert settings() is None
+
+
+def test_launcher_and_kubernetes_environments(clean_env):
+  clean_env.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
+  clean_env.setenv("MESHTRAIN_NUM_PROCESSES", "4")
+  clean_env.setenv("JOB_COMPLETION_INDEX", "3")  # an Indexed Job pod
+  assert settings() == {"coordinator_address": "host0:1234", "num_processes": 4, "process_id": 3}
+  clean_env.setenv("MESHTRAIN_PROCESS_ID", "1")  # the launcher's variable wins
+  assert settings()["process_id"] == 1
+  assert settings(process_id=2)["process_id"] == 2  # and the config beats both
+
+
+def test_schedulers_are_left_to_jax(clean_env):
+  clean_env.setenv("SLURM_NTASKS", "16")
+  assert settings() == {}
+  clean_env.delenv("SLURM_NTASKS")
+  clean_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
+  assert settings() == {}
+
+
+def test_incomplete_or_inconsistent_settings(clean_env):
+  with pytest.raises(UserError, match="incomplete distributed settings: coordinator h:1, -1 processes"):
+    settings(coordinator_address="h:1")
+  with pytest.raises(UserError, match="process id 4 is out of range for 4 processes"):
+    settings(coordinator_address="h:1", num_processes=4, process_id=4)
+
+
+def test_user_flags_come_after_meshtrain_defaults():
+  flags = runtime.xla_flags("--xla_gpu_enable_latency_hiding_scheduler=false", "--xla_dump_to=/tmp/x").split()
+  assert flags[0].startswith("--xla_gpu_enable_latency_hiding_scheduler=true")
+  assert flags[-2:] == ["--xla_dump_to=/tmp/x", "--xla_gpu_enable_latency_hiding_scheduler=false"]
+
+
+def test_cluster_examples_are_well_formed():
+  subprocess.run(["bash", "-n", str(ROOT / "cluster" / "slurm.sbatch")], check=True)
+  assert "python -m meshtrain.train" in (ROOT / "cluster" / "slurm.sbatch").read_text()
+  service, job = yaml.safe_load_all((ROOT / "cluster" / "indexed-job.yaml").read_text())
+  assert service["kind"] == "Service" and job["spec"]["completionMode"] == "Indexed"
+  pod = job["spec"]["template"]["spec"]
+  env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+  assert env["MESHTRAIN_NUM_PROCESSES"] == str(job["spec"]["completions"])
+  assert env["JAX_COORDINATOR_ADDRESS"].startswith(f"{job['metadata']['name']}-0.{pod['subdomain']}:")
+  assert pod["containers"][0]["command"][:3] == ["python", "-m", "meshtrain.train"]
