@@ -100,13 +100,13 @@ def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
   param_sh = sharding.shardings_of(boxed, mesh, rules)
   tx = optim.make_optimizer(cfg.optimizer, cfg.steps)
   replicated = NamedSharding(mesh, P())
+  params_abstract = nn.meta.unbox(boxed)
+  opt_abstract = jax.eval_shape(tx.init, params_abstract)
   # Optimizer moments take their parameter's sharding; without this, jit would put them all on one device.
-  opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, nn.meta.unbox(boxed)), param_sh,
-                                 transform_non_params=lambda _: replicated)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, param_sh, transform_non_params=lambda _: replicated)
   state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh, nonfinite_steps=replicated,
                                  last_nonfinite_step=replicated)
-  layout = Layout(cfg, mesh, rules, model, tx, optim.learning_rate_schedule(cfg.optimizer, cfg.steps), table,
-                  state_sh, sharding.batch_sharding(mesh, rules), None, pad_id)
-  abstract = jax.eval_shape(layout._init, jax.random.key(0))
-  layout.state_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-  return layout
+  abstract = step_lib.TrainState.create(params_abstract, opt_abstract)  # shapes only: the model is traced once
+  state_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
+  return Layout(cfg, mesh, rules, model, tx, optim.learning_rate_schedule(cfg.optimizer, cfg.steps), table,
+                state_sh, sharding.batch_sharding(mesh, rules), state_abstract, pad_id)
