@@ -115,7 +115,11 @@ class Checkpointer:
     return RunAborted(f"the checkpoint of step {self._in_flight} could not be written to "
                       f"{self.directory}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. The run stopped rather "
                       f"than continue unsaved; earlier checkpoints are intact (latest committed: "
-                      f"{_committed(self.directory)}). Free space or fix the directory, then rerun to resume")
+                      f"{self._latest_complete()}). Free space or fix the directory, then rerun to resume")
+
+  def _latest_complete(self) -> str:
+    steps = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and self.damage(int(p.name)) is None]
+    return str(max(steps)) if steps else "none"
 
   def close(self) -> None:
     self._manager.close()
@@ -136,11 +140,6 @@ def _stderr_to(path: pathlib.Path):
       sys.stderr.flush()
       os.dup2(saved, 2)
       os.close(saved)
-
-
-def _committed(directory: pathlib.Path) -> str:
-  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
-  return str(steps[-1]) if steps else "none"
 
 
 def _probe_writable(directory: pathlib.Path) -> None:

@@ -77,7 +77,7 @@ def make_mesh(sizes: Mapping, devices=None) -> Mesh:
   ici_shape = tuple(inside[a] for a in AXES)
   dcn_shape = tuple(across[a] for a in AXES)
   if nodes > 1:
-    is_slices = _node_count(devices) != len({d.process_index for d in devices})
+    is_slices = nodes != len({d.process_index for d in devices})
     grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, process_is_granule=not is_slices,
                                                 allow_split_physical_axes=True)
   else:
