@@ -6,70 +6,22 @@ The step is the one `python -m meshtrain.train` runs (same layout, same compiled
 loaded once, so data loading is not measured. Warm-up steps are excluded; every timed step is synchronised.
 Peaks: a table of dense peaks for known GPUs; on CPU the matmul peak is measured here, in the same run, for the
 run's dtype and device count, so MFU compares like with like.
+
+`--loop N` then runs the real train loop (`meshtrain.train`: data loading, prefetch, metrics fetched one step
+late) for N steps in a temporary workdir and reports loop efficiency: the loop's wall time per step divided by
+the synchronised step time measured above. 1.00 means the host never makes the devices wait.
 """
 import argparse
+import contextlib
 import json
+import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
-from meshtrain import config as config_lib
+from meshtrain import config as config_lib, perf
 from meshtrain.errors import UserError
-
-# Dense peak FLOP/s per device (vendor datasheets, SXM parts, no sparsity).
-GPU_PEAKS = {
-    "h100": {"bfloat16": 989.4e12, "float32": 66.9e12},
-    "h200": {"bfloat16": 989.4e12, "float32": 66.9e12},
-    "a100": {"bfloat16": 312.0e12, "float32": 19.5e12},
-}
-
-
-def model_flops_per_token(model_cfg, seq_len: int, matmul_params: int) -> float:
-  """6 x (parameters used in matmuls) + attention scores and values, causal attention counted at half.
-
-  Training does 3 matmuls per weight use (forward, two backward) of 2 FLOPs per multiply-add: 6 per parameter
-  per token. Attention per layer and token: QK^T and AV over seq_len keys, 2 x 2 x seq_len x heads x head_dim
-  forward, x3 for training, x1/2 because a causal token sees on average half the keys.
-  """
-  m = model_cfg
-  attention = 6 * m.num_layers * seq_len * m.num_heads * m.head_dim
-  return 6 * matmul_params + attention
-
-
-def matmul_params(table, tied: bool) -> int:
-  """Parameters that enter a matmul: everything but norm scales, and the embedding only when it is the head."""
-  count = 0
-  for row in table:
-    if "norm" in row.path or (row.path == "embedding" and not tied):
-      continue  # a norm scales; an untied embedding is a lookup
-    count += row.size
-  return count
-
-
-def gpu_peak(device_kind: str, dtype: str) -> float | None:
-  kind = device_kind.lower()
-  for name, peaks in GPU_PEAKS.items():
-    if name in kind:
-      return peaks[dtype]
-  return None
-
-
-def measure_cpu_peak(mesh, dtype: str, size: int = 1024, repeats: int = 5) -> float:
-  """Per-device matmul FLOP/s, with every device of the mesh multiplying at once (as in training)."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  n = mesh.size
-  sharding = NamedSharding(mesh, P(mesh.axis_names))  # one [size, size] block per device
-  a = jax.device_put(jnp.ones((n, size, size), dtype), sharding)
-  f = jax.jit(lambda x: jnp.einsum("nij,njk->nik", x, x), out_shardings=sharding)
-  f(a).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    f(a).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 2 * size ** 3 / min(times)
 
 
 def bench(cfg, steps: int, warmup: int) -> dict:
@@ -96,19 +48,15 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     times.append(time.perf_counter() - t0)
   step_s = statistics.median(times)
   tokens = cfg.batch_size * cfg.seq_len
-  flops_per_token = model_flops_per_token(cfg.model, cfg.seq_len, matmul_params(layout.table, cfg.model.tie_embeddings))
-  device = jax.devices()[0]
-  peak = gpu_peak(device.device_kind, cfg.model.dtype) if device.platform == "gpu" else None
-  peak_source = "datasheet" if peak else "measured matmul"
-  if peak is None:
-    peak = measure_cpu_peak(mesh, cfg.model.dtype)
+  flops_per_token = perf.model_flops(cfg, layout.table)
+  peak, peak_source = perf.device_peak(mesh, cfg.model.dtype)
   mem = step_fn.memory_analysis()
   achieved = flops_per_token * tokens / step_s
   return {
       "tokens_per_sec": tokens / step_s, "step_time_s": step_s, "step_time_min_s": min(times),
       "step_time_max_s": max(times), "mfu": achieved / (peak * mesh.size), "peak_flops": peak,
       "peak_source": peak_source, "achieved_flops": achieved, "model_flops_per_token": flops_per_token,
-      "compile_time_s": compile_s, "devices": mesh.size, "device_kind": device.device_kind,
+      "compile_time_s": compile_s, "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind,
       "mesh": dict(mesh.shape), "memory_per_device_bytes": {
           "arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
           "temporaries": mem.temp_size_in_bytes},
@@ -116,17 +64,35 @@ def bench(cfg, steps: int, warmup: int) -> dict:
   }
 
 
+def loop_efficiency(cfg, steps: int, step_s: float) -> dict:
+  """Runs the train loop itself for `steps` steps and compares its wall time with `step_s` x steps."""
+  from meshtrain import train
+  cfg = cfg.copy_and_resolve_references()
+  cfg.unlock()
+  cfg.update(steps=steps, eval_every=0, checkpoint_every=0, log_every=max(1, steps // 5), profile_steps="")
+  # The loop's own log goes to stderr, so --json output stays one object on stdout.
+  with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as workdir, contextlib.redirect_stdout(sys.stderr):
+    timing = train.train(cfg, pathlib.Path(workdir))
+  loop_step_s = timing["loop_s"] / timing["loop_steps"]
+  return {"loop_step_time_s": loop_step_s, "loop_efficiency": loop_step_s / step_s, "loop_steps": timing["loop_steps"]}
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m meshtrain.bench", description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", required=True)
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+  parser.add_argument("--loop", type=int, default=0, metavar="N",
+                      help="also run the train loop for N steps and report its wall time / the step time")
   parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
   try:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.steps < 1 or args.warmup < 0:
-      raise UserError("--steps must be >= 1 and --warmup >= 0")
-    result = bench(config_lib.load(args.config, overrides), args.steps, args.warmup)
+    if args.steps < 1 or args.warmup < 0 or args.loop in (1, 2) or args.loop < 0:
+      raise UserError("--steps must be >= 1, --warmup >= 0 and --loop 0 (off) or >= 3")
+    cfg = config_lib.load(args.config, overrides)
+    result = bench(cfg, args.steps, args.warmup)
+    if args.loop:
+      result.update(loop_efficiency(cfg, args.loop, result["step_time_s"]))
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

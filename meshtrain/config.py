@@ -13,6 +13,7 @@ import pathlib
 import ml_collections
 
 from meshtrain.errors import UserError
+from meshtrain import profiling
 from meshtrain.models import presets
 
 # Fields that decide the shape of the train state: a checkpoint is only compatible when all of them match.
@@ -39,6 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.watchdog_s = 600.0          # no progress for this long (a hung collective, a dead peer): dump stacks, exit 4; 0: off
   c.checkpoint_fallback = False  # latest checkpoint damaged: resume from the previous good one (renaming, not deleting)
   c.compilation_cache_dir = "~/.cache/meshtrain/xla"  # persistent XLA cache: a rerun skips compiling; "" disables
+  c.profile_steps = ""          # e.g. "20-24": jax.profiler trace of those steps in WORKDIR/profile (TensorBoard, Perfetto)
   c.xla_flags = ""              # extra XLA flags, after meshtrain's GPU defaults and $XLA_FLAGS (later flags win)
 
   # Several processes (hosts). Empty / -1: from the environment (meshtrain.launch, SLURM, Open MPI, Kubernetes).
@@ -167,6 +169,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   for key, value in non_negative.items():
     if value < 0:
       raise UserError(f"config key {key!r} must be >= 0, got {value}")
+  profiling.parse_steps(cfg.profile_steps)
   m = cfg.model
   _check_choice("nonfinite", cfg.nonfinite, ("stop", "skip"))
   _check_choice("model.remat", m.remat, REMAT_POLICIES)

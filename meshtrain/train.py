@@ -18,6 +18,8 @@ import time
 from meshtrain import config as config_lib
 from meshtrain.errors import RunAborted, UserError
 
+_IMPORTED = time.perf_counter()  # start-up fallback where the process start time is unknown
+
 
 def parse_args(argv: list[str]):
   parser = argparse.ArgumentParser(prog="python -m meshtrain.train", description=__doc__.split("\n\n")[0],
@@ -41,15 +43,17 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
-def train(cfg, workdir: pathlib.Path) -> None:
+def train(cfg, workdir: pathlib.Path) -> dict:
+  """Trains to cfg.steps (resuming from workdir) and returns timing: start-up, compile and the loop's wall time."""
   # Heavy imports after argument checks, so a typo is reported in a fraction of a second.
   from meshtrain import runtime
   runtime.start(cfg)  # XLA flags, CPU devices, distributed runtime: before JAX initialises its backends
   import jax
   import jax.numpy as jnp
-  from meshtrain import checkpoint, data, layout as layout_lib, mesh as mesh_lib, sharding
+  from meshtrain import checkpoint, data, layout as layout_lib, mesh as mesh_lib, perf, sharding
   from meshtrain.metrics import MetricsWriter
   from meshtrain.preemption import PreemptionNotice
+  from meshtrain.profiling import StepProfiler
   from meshtrain.watchdog import Watchdog
 
   is_main = jax.process_index() == 0
@@ -70,13 +74,17 @@ def train(cfg, workdir: pathlib.Path) -> None:
   if start is not None and start >= cfg.steps:
     log(f"{ckpt.directory} already holds step {start} >= steps={cfg.steps}; nothing to do "
         f"(raise --config.steps to train further)")
-    return
+    return {}
   if is_main:
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
   t0 = time.perf_counter()
   train_fn = layout.compile_train_step()
-  log(f"train step compiled in {time.perf_counter() - t0:.1f}s; {compiled_summary(train_fn)}")
+  compile_s = time.perf_counter() - t0
+  log(f"train step compiled in {compile_s:.1f}s; {compiled_summary(train_fn)}")
+  flops_per_token = perf.model_flops(cfg, layout.table)
+  peak, peak_source = perf.device_peak(mesh, cfg.model.dtype)
+  log(f"model FLOPs per token {flops_per_token:,.0f}; peak {peak / 1e9:,.1f} GFLOP/s per device ({peak_source})")
   eval_fn = layout.compile_eval_step() if eval_src is not None else None
   if start is None:
     state, start = layout.init(cfg.seed), 0
@@ -118,8 +126,11 @@ def train(cfg, workdir: pathlib.Path) -> None:
   batches = data.Prefetcher(train_src, start, cfg.batch_size, layout.batch_sharding)
   preemption = PreemptionNotice()
   watchdog = Watchdog(cfg.watchdog_s, workdir, jax.process_index())
+  profiler = StepProfiler(cfg.profile_steps, workdir, enabled=is_main)
   pending = None                                  # (step, metrics on device) to fetch after the next dispatch
-  clock = {"t": time.perf_counter(), "step": start, "excluded": 0.0}
+  # `excluded` (eval, checkpoints, profiling) is kept out of step times; `loop` times the steps after the first.
+  clock = {"t": time.perf_counter(), "step": start, "excluded": 0.0, "loop_t": None, "loop_excluded": 0.0}
+  timing = {"compile_s": compile_s}
 
   def emit(done, metrics):
     watchdog.beat(done, f"waiting for step {done}")
@@ -128,16 +139,26 @@ def train(cfg, workdir: pathlib.Path) -> None:
     now = time.perf_counter()
     seconds = (now - clock["t"] - clock["excluded"]) / max(done - clock["step"], 1)
     clock.update(t=now, step=done, excluded=0.0)
-    writer.write({"step": done, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
-                  "grad_norm": float(metrics["grad_norm"]), "step_time_s": seconds,
-                  "tokens_per_sec": cfg.batch_size * cfg.seq_len / seconds,
-                  **({"skipped_steps": int(metrics["nonfinite_steps"])} if metrics["nonfinite_steps"] else {})})
+    tokens_per_sec = cfg.batch_size * cfg.seq_len / seconds
+    record = {"step": done, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
+              "grad_norm": float(metrics["grad_norm"]), "step_time_s": seconds, "tokens_per_sec": tokens_per_sec,
+              "mfu": flops_per_token * tokens_per_sec / (peak * mesh.size)}
+    if metrics["nonfinite_steps"]:
+      record["skipped_steps"] = int(metrics["nonfinite_steps"])
+    if done == start + 1:  # the first step's time is mostly the first dispatch: start-up is the useful number
+      since_start = perf.seconds_since_process_start()
+      timing["startup_s"] = record["startup_s"] = since_start if since_start is not None else now - _IMPORTED
+      writer.print(f"start-up: first step done {timing['startup_s']:.1f}s after the process started "
+                   f"(compile {compile_s:.1f}s)")
+      clock.update(loop_t=now, loop_excluded=0.0)
+    writer.write(record)
 
   try:
     for done in range(start + 1, cfg.steps + 1):
       watchdog.beat(done, "loading data")
       _, batch = next(batches)
       watchdog.beat(done, "dispatching the step")
+      profiler.before(done)
       state, metrics = train_fn(state, batch)
       if preemption.reached(done):
         if pending:
@@ -146,10 +167,14 @@ def train(cfg, workdir: pathlib.Path) -> None:
         save(done)
         ckpt.wait()
         writer.print(f"preempted: saved step {done} to {ckpt.directory / str(done)}; rerun the same command to resume")
-        return
+        return timing
       if pending:
         emit(*pending)
         pending = None
+      if line := profiler.after(done, state):  # after the emit above, so the wait counts towards this step
+        clock["excluded"] += profiler.write_s  # writing the trace is not step time
+        clock["loop_excluded"] += profiler.write_s
+        writer.print(line)
       if done % cfg.log_every == 0 or done in (start + 1, cfg.steps):  # the first step shows the starting loss
         pending = (done, metrics)
       writer.advance(done)
@@ -168,11 +193,19 @@ def train(cfg, workdir: pathlib.Path) -> None:
         if save_due:
           save(done)
         clock["excluded"] += time.perf_counter() - t_pause
+        clock["loop_excluded"] += time.perf_counter() - t_pause
     if pending:
       emit(*pending)
+    if clock["loop_t"] is not None and cfg.steps > start + 1:
+      jax.block_until_ready(state)
+      timing.update(loop_s=time.perf_counter() - clock["loop_t"] - clock["loop_excluded"],
+                    loop_steps=cfg.steps - start - 1)
+      log(f"loop: {timing['loop_steps']} steps after the first in {timing['loop_s']:.2f}s "
+          f"({timing['loop_s'] / timing['loop_steps']:.4f} s/step, evaluation and checkpoints excluded)")
     watchdog.beat(cfg.steps, "committing the last checkpoint")
     ckpt.wait()
   finally:
+    profiler.close()
     watchdog.close()
     preemption.close()
     batches.close()
@@ -182,6 +215,7 @@ def train(cfg, workdir: pathlib.Path) -> None:
       ckpt.close()
       writer.close()
   log(f"done: step {cfg.steps}; checkpoints in {ckpt.directory}; metrics in {writer.path}")
+  return timing
 
 
 def compiled_summary(compiled) -> str:

@@ -6,7 +6,7 @@ import sys
 import jax
 import pytest
 
-from meshtrain import bench, config, layout, mesh
+from meshtrain import config, layout, mesh, perf
 
 
 def hand_flops(L, D, H, K, E, F, V, layers, tied):
@@ -22,7 +22,7 @@ def test_flops_per_token_match_hand_count(kv_heads, tied):
   cfg.model.num_kv_heads, cfg.model.tie_embeddings = kv_heads, tied
   table = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1]), 256).table
   m = cfg.model
-  got = bench.model_flops_per_token(m, cfg.seq_len, bench.matmul_params(table, tied))
+  got = perf.model_flops_per_token(m, cfg.seq_len, perf.matmul_params(table, tied))
   assert got == hand_flops(cfg.seq_len, m.d_model, m.num_heads, kv_heads, m.head_dim, m.mlp_dim, m.vocab_size,
                            m.num_layers, tied)
   if kv_heads == 4 and not tied:
@@ -30,9 +30,9 @@ def test_flops_per_token_match_hand_count(kv_heads, tied):
 
 
 def test_gpu_peaks():
-  assert bench.gpu_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
-  assert bench.gpu_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
-  assert bench.gpu_peak("NVIDIA GeForce RTX 4090", "bfloat16") is None
+  assert perf.gpu_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
+  assert perf.gpu_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
+  assert perf.gpu_peak("NVIDIA GeForce RTX 4090", "bfloat16") is None
 
 
 def test_bench_json(tmp_path):

@@ -33,6 +33,7 @@ CASES = {  # extra arguments: fragments the message must contain
     "lr ratio": (["--config.optimizer.min_lr_ratio=2"], ["min_lr_ratio=2.0 must lie in [0, 1]"]),
     "vocab": (["--config.model.vocab_size=256"], ["vocab_size=256 is too small for the byte tokenizer",
                                                  "data.name=synthetic"]),
+    "profile range": (["--config.profile_steps=5-2"], ["profile_steps='5-2' is not a step range", "e.g. 20-24"]),
     "unknown dataset": (["--config.data.name=no_such_dataset_xyz"], ["no_such_dataset_xyz"]),
 }
 

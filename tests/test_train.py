@@ -30,7 +30,7 @@ def saved_params(workdir, step):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  run(workdir)
+  run(workdir, "--config.profile_steps=2-3")  # profiling changes no number, so the resume tests can compare to it
   return workdir
 
 
@@ -42,6 +42,11 @@ def test_outputs(uninterrupted):
     assert {"step", "loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec"} <= r.keys()
     assert np.isfinite(r["loss"]) and r["tokens_per_sec"] > 0
   assert train_records[-1]["loss"] < train_records[0]["loss"]
+  # MFU is tokens/s x a fixed FLOPs-per-token / peak: the ratio is one constant, a plausible fraction.
+  ratios = [r["mfu"] / r["tokens_per_sec"] for r in train_records]
+  assert max(ratios) == pytest.approx(min(ratios), rel=1e-9) and all(0 < r["mfu"] < 1 for r in train_records)
+  assert train_records[0]["startup_s"] > 0 and all("startup_s" not in r for r in train_records[1:])
+  assert list((uninterrupted / "profile").rglob("perfetto_trace.json.gz"))
   evals = [r for r in logged if "eval_loss" in r]
   assert [r["step"] for r in evals] == [3, 6] and all(r["eval_bits_per_byte"] > 0 for r in evals)
   assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir()) == ["3", "6"]
