@@ -17,7 +17,7 @@ from meshtrain import profiling
 from meshtrain.models import presets
 
 # Fields that decide the shape of the train state: a checkpoint is only compatible when all of them match.
-SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_experts",
                 "tie_embeddings", "scan_layers", "param_dtype")
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
@@ -57,12 +57,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1              # pure data parallelism: batch split, parameters replicated
   c.mesh.fsdp = 1               # ZeRO-3: batch split, parameters and optimizer state split along `embed`
   c.mesh.tensor = 1             # Megatron tensor parallelism: heads, MLP width and vocab split
+  c.mesh.sequence = 1           # context parallelism: the sequence split through the model (ring attention)
+  c.mesh.expert = 1             # expert parallelism: MoE experts split (needs model.num_experts), batch split too
+  c.mesh.stage = 1              # pipeline parallelism: consecutive layers per stage (see `pipeline`)
   # Sizes across nodes (slow links, one node per process or slice). -1 fills from the node count, so by
   # default only data parallelism, the least traffic, crosses nodes.
-  c.mesh.nodes = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.mesh.nodes = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, sequence=1, expert=1, stage=1))
 
   c.sharding = ml_collections.ConfigDict()
   c.sharding.rules = "fsdp_tp"  # logical-axis rules preset: dp | fsdp | tp | fsdp_tp (see meshtrain/sharding.py)
+  c.sharding.sequence_parallel = False  # Megatron sequence parallelism: residual stream split over `tensor` too
+  c.sharding.causal_load_balance = True  # with mesh.sequence > 1: zigzag token order so causal work is even
+
+  # Pipeline parallelism (mesh.stage > 1): the global batch is cut into micro-batches that flow through the stages.
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.microbatches = 4   # more micro-batches: smaller bubble ((stages-1)/(microbatches+stages-1) idle)
 
   c.model = presets.model_config("tiny")
 
@@ -176,6 +185,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   _check_choice("model.dtype", m.dtype, DTYPES)
   _check_choice("model.param_dtype", m.param_dtype, DTYPES)
   _check_choice("model.attention", m.attention, ("xla", "cudnn", "auto"))
+  _check_choice("model.context_attention", m.context_attention, ("ring", "allgather"))
+  if m.num_experts < 0 or (m.num_experts and not 1 <= m.experts_per_token <= m.num_experts):
+    raise UserError(f"model.num_experts={m.num_experts}, model.experts_per_token={m.experts_per_token}: use "
+                    "num_experts=0 (dense MLP) or 1 <= experts_per_token <= num_experts")
+  if m.capacity_factor <= 0:
+    raise UserError(f"model.capacity_factor={m.capacity_factor} must be positive (1.0-2.0 is usual)")
+  if cfg.pipeline.microbatches < 1:
+    raise UserError(f"pipeline.microbatches={cfg.pipeline.microbatches} must be >= 1")
   if m.num_heads % m.num_kv_heads:
     raise UserError(f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
                     "grouped-query attention shares each KV head among num_heads/num_kv_heads query heads")
@@ -187,7 +204,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                     f"use a batch_size that is a multiple of {accum}")
   if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
     raise UserError(f"optimizer.min_lr_ratio={cfg.optimizer.min_lr_ratio} must lie in [0, 1]")
-  for axis in ("data", "fsdp", "tensor"):
+  for axis in [k for k in cfg.mesh if k != "nodes"]:
     for key, size in ((f"mesh.{axis}", cfg.mesh[axis]), (f"mesh.nodes.{axis}", cfg.mesh.nodes[axis])):
       if size == 0 or size < -1:
         raise UserError(f"config key {key!r} is {size}; axis sizes are positive, or -1 to fill from the device count")

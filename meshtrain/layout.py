@@ -11,10 +11,13 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import optim, sharding, step as step_lib
+from meshtrain.errors import UserError
+from meshtrain.parallel import context
 from meshtrain.models.llama import ModelConfig, Transformer
 
 
@@ -31,6 +34,7 @@ class Layout:
   batch_sharding: NamedSharding         # for [batch, length] token arrays
   state_abstract: step_lib.TrainState   # ShapeDtypeStructs carrying the shardings: Orbax restore targets
   pad_id: int                           # target id masked out of the loss
+  token_order: np.ndarray | None        # column permutation fed to the model (context-parallel load balance)
 
   @property
   def micro_batch(self) -> int:
@@ -60,7 +64,7 @@ class Layout:
     """The train step compiled ahead of time: state donated, every input and output sharding explicit."""
     fn = functools.partial(step_lib.train_step, apply_fn=self.model.apply, tx=self.tx, schedule=self.schedule,
                            pad_id=self.pad_id, accum_steps=self.cfg.optimizer.grad_accum_steps,
-                           nan_at_step=self.cfg.faults.nan_at_step)
+                           nan_at_step=self.cfg.faults.nan_at_step, token_order=self.token_order)
     replicated = NamedSharding(self.mesh, P())
     with self.context():
       return jax.jit(fn, in_shardings=(self.state_sharding, self.batch_sharding),
@@ -69,7 +73,8 @@ class Layout:
 
   def compile_eval_step(self):
     """Eval on micro-batch-sized batches, so evaluation never needs more memory than training."""
-    fn = functools.partial(step_lib.eval_step, apply_fn=self.model.apply, pad_id=self.pad_id)
+    fn = functools.partial(step_lib.eval_step, apply_fn=self.model.apply, pad_id=self.pad_id,
+                           token_order=self.token_order)
     with self.context():
       return jax.jit(fn, in_shardings=(self.state_sharding.params, self.batch_sharding),
                      out_shardings=NamedSharding(self.mesh, P()),
@@ -79,7 +84,8 @@ class Layout:
     """Mean-loss gradients for a params tree and a batch (used to prove layouts agree)."""
     def grads(params, batch):
       def mean_loss(p):
-        total, count = step_lib.loss_sums(p, batch, apply_fn=self.model.apply, pad_id=self.pad_id)
+        total, (_, count, _) = step_lib.loss_sums(p, batch, apply_fn=self.model.apply, pad_id=self.pad_id,
+                                                  token_order=self.token_order)
         return total / count
       return jax.value_and_grad(mean_loss)(params)
     with self.context():
@@ -90,10 +96,27 @@ class Layout:
 
 def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
   """Checks the layout from shapes alone, then derives every sharding of the train state."""
-  rules = sharding.rules_for(cfg.sharding.rules)
-  sharding.check_mesh_uses_rules(mesh, rules)
+  rules = sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel)
+  stages, shards = mesh.shape["stage"], mesh.shape["sequence"]
+  model_cfg = dataclasses.replace(ModelConfig.from_config(cfg.model), pipeline_stages=stages,
+                                  pipeline_microbatches=cfg.pipeline.microbatches if stages > 1 else 1)
+  if cfg.model.num_layers % stages:
+    raise UserError(f"model.num_layers={cfg.model.num_layers} cannot be split into mesh.stage={stages} equal "
+                    f"pipeline stages; use a stage count that divides the layer count")
+  sharding.check_mesh_uses_rules(mesh, rules, has_experts=cfg.model.num_experts > 0, pipelined=stages > 1)
   sharding.check_batch(mesh, cfg.batch_size, cfg.optimizer.grad_accum_steps)
-  model = Transformer(ModelConfig.from_config(cfg.model))
+  if stages > 1:
+    sharding.check_batch(mesh, cfg.batch_size, cfg.optimizer.grad_accum_steps * cfg.pipeline.microbatches,
+                         split_by="(grad_accum_steps x pipeline.microbatches)")
+  token_order = None
+  if shards > 1:
+    chunks = 2 * shards if cfg.sharding.causal_load_balance else shards
+    if cfg.seq_len % chunks:
+      raise UserError(f"seq_len={cfg.seq_len} must be divisible by {chunks} to split it over mesh.sequence={shards}"
+                      + (" in zigzag order (2 chunks per device)" if cfg.sharding.causal_load_balance else ""))
+    if cfg.sharding.causal_load_balance:
+      token_order = context.zigzag_permutation(cfg.seq_len, shards)[0]
+  model = Transformer(model_cfg)
   tokens = jax.ShapeDtypeStruct((cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len), jnp.int32)
   boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
   table = sharding.param_table(boxed, mesh, rules)
@@ -109,4 +132,4 @@ def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
   abstract = step_lib.TrainState.create(params_abstract, opt_abstract)  # shapes only: the model is traced once
   state_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
   return Layout(cfg, mesh, rules, model, tx, optim.learning_rate_schedule(cfg.optimizer, cfg.steps), table,
-                state_sh, sharding.batch_sharding(mesh, rules), state_abstract, pad_id)
+                state_sh, sharding.batch_sharding(mesh, rules), state_abstract, pad_id, token_order)

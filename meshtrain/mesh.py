@@ -1,13 +1,20 @@
 """Devices and the named device mesh. Importable on its own by research code.
 
-The mesh has one named axis per kind of parallelism. Axis order is outermost to innermost: `tensor`, which
-carries the most traffic (two collectives per layer, on the critical path), is innermost so its groups are
-neighbouring devices on the fastest links. Across nodes (one node per process, or per TPU slice) only the
-`mesh.nodes` sizes apply; by default that is `data`, the axis that communicates least (one gradient
-all-reduce per step, overlappable).
+The mesh has one named axis per kind of parallelism:
+  stage     pipeline stages (layers split into consecutive groups; activations passed stage to stage)
+  data      batch split, everything else replicated; one gradient all-reduce per step
+  fsdp      batch split, parameters and optimizer state split (ZeRO-3); all-gathers and reduce-scatters per layer
+  expert    mixture-of-experts weights split by expert; the batch is split too; all-to-all per MoE layer
+  sequence  context parallelism: the sequence split through the whole model; K/V passed around a ring
+  tensor    Megatron tensor parallelism: heads and MLP width split; all-reduces inside every layer
+Axis order is outermost to innermost: the axes that carry the most traffic, on the critical path of every layer
+(tensor, sequence, expert), are innermost so their groups are neighbouring devices on the fastest links. Across
+nodes (one node per process, or per TPU slice) only the `mesh.nodes` sizes apply; by default that is `data`, the
+axis that communicates least (one gradient all-reduce per step, overlappable).
 """
 from collections.abc import Mapping
 import math
+import warnings
 
 import jax
 from jax.experimental import mesh_utils
@@ -15,8 +22,12 @@ from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import UserError
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the batch is split over every axis that does not split the model's width
+AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+# The batch is split over every axis that does not split activations some other way: expert devices are data
+# parallel outside the MoE layers (as in GShard); sequence, tensor and stage devices share their batch rows.
+BATCH_AXES = ("data", "fsdp", "expert")
+# Axes with a collective inside every layer, on the critical path: they belong on the fast links inside a node.
+HEAVY_AXES = ("tensor", "sequence", "expert")
 
 
 def simulate_cpu_devices(count: int) -> None:
@@ -36,7 +47,7 @@ def simulate_cpu_devices(count: int) -> None:
 def fill_sizes(sizes: Mapping[str, int], total: int, what: str, unit: str = "devices") -> dict[str, int]:
   """Resolves at most one -1 in `sizes` so that the sizes multiply to `total`; errors name the numbers."""
   sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
-  shown = " x ".join(f"{a}={s}" for a, s in sizes.items())
+  shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "data=1"
   unknown = [a for a, s in sizes.items() if s == -1]
   if len(unknown) > 1:
     raise UserError(f"{what}: only one axis may be -1, got {shown}; give explicit sizes to all but one")
@@ -82,10 +93,22 @@ def make_mesh(sizes: Mapping, devices=None) -> Mesh:
                                                 allow_split_physical_axes=True)
   else:
     grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+  if nodes > 1:
+    warn_slow_links(across)
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def warn_slow_links(across: Mapping[str, int]) -> list[str]:
+  """Warns (and returns the axes) when an axis with per-layer collectives spans nodes, i.e. the slow links."""
+  slow = [a for a in HEAVY_AXES if across.get(a, 1) > 1]
+  if slow:
+    warnings.warn(f"mesh.nodes puts {', '.join(f'{a}={across[a]}' for a in slow)} across nodes: every layer then "
+                  f"waits on the inter-node network; keep {', '.join(slow)} inside a node (mesh.{slow[0]}) and put "
+                  f"data, fsdp or stage across nodes instead", stacklevel=3)
+  return slow
+
+
 def describe(mesh: Mesh) -> str:
-  """One line: axis sizes, device count and kind, e.g. `data=2 x fsdp=4 x tensor=1 (8 cpu devices)`."""
-  axes = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+  """One line: the axes larger than 1, device count and kind, e.g. `data=2 x fsdp=4 (8 cpu devices, 1 process(es))`."""
+  axes = " x ".join(f"{name}={size}" for name, size in mesh.shape.items() if size > 1) or "data=1"
   return f"{axes} ({mesh.size} {mesh.devices.flat[0].platform} devices, {jax.process_count()} process(es))"

@@ -20,12 +20,15 @@ from meshtrain.mesh import BATCH_AXES
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-# Every preset starts here: parameters replicated, the batch split over all batch axes. `layers` is the
-# stacked-layer axis that scan adds; it is never split.
+# Every preset starts here: parameters replicated, the batch split over all batch axes. The axes of the other
+# kinds of parallelism are always mapped, since an axis of size 1 changes nothing: `layers` (the stacked-layer
+# axis that scan adds) goes to `stage`, which only a pipelined model has; experts to `expert`; the sequence of
+# activations to `sequence` (context parallelism).
 _BASE = {"embed": None, "mlp": None, "heads": None, "kv_heads": None, "head_dim": None, "vocab": None,
-         "norm": None, "layers": None,
-         "act_batch": BATCH_AXES, "act_len": None, "act_embed": None, "act_heads": None, "act_kv_heads": None,
-         "act_head_dim": None, "act_mlp": None, "act_vocab": None}
+         "norm": None, "layers": "stage", "expert": "expert", "act_expert": "expert",
+         "act_batch": BATCH_AXES, "act_len": "sequence", "act_res_len": "sequence", "act_embed": None,
+         "act_heads": None, "act_kv_heads": None, "act_head_dim": None, "act_mlp": None, "act_vocab": None,
+         "act_stage": "stage"}
 # ZeRO-3: every matrix has an `embed` dimension, so every matrix (and its optimizer state) is split; XLA
 # all-gathers each layer's weights before use and reduce-scatters their gradients.
 _FSDP = {"embed": "fsdp"}
@@ -33,6 +36,10 @@ _FSDP = {"embed": "fsdp"}
 # between the two halves are split the same way, so each block needs one all-reduce per half.
 _TENSOR = {"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor",
            "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor"}
+# Megatron sequence parallelism: between the tensor-parallel halves (norms, residual adds) the residual stream
+# is split along the sequence over `tensor` instead of replicated, so each all-reduce becomes a reduce-scatter
+# into this layout and an all-gather out of it: the same bytes, 1/tensor of the activation memory and norm work.
+_SEQUENCE_PARALLEL = {"act_res_len": ("sequence", "tensor")}
 PRESETS: dict[str, Rules] = {
     "dp": tuple(_BASE.items()),
     "fsdp": tuple({**_BASE, **_FSDP}.items()),
@@ -45,22 +52,39 @@ def _mesh_axes(value) -> tuple[str, ...]:
   return (value,) if isinstance(value, str) else tuple(value or ())
 
 
-def rules_for(preset: str) -> Rules:
+def rules_for(preset: str, sequence_parallel: bool = False) -> Rules:
   if preset not in PRESETS:
     raise UserError(f"sharding.rules={preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
-  return PRESETS[preset]
+  rules = dict(PRESETS[preset])
+  if sequence_parallel:
+    if rules["act_heads"] != "tensor":
+      raise UserError(f"sharding.sequence_parallel needs tensor parallelism; use sharding.rules=tp or fsdp_tp "
+                      f"(got {preset})")
+    rules.update(_SEQUENCE_PARALLEL)
+  # Flax gives each mesh axis to the first rule that claims it. In MoE layers the dispatched tokens [X, G, C, D]
+  # put `act_expert` before `act_batch`, so `expert` goes to the experts; this fallback then still splits the
+  # groups over the other batch axes (without it they would be replicated).
+  return (*rules.items(), ("act_batch", tuple(a for a in BATCH_AXES if a != "expert")))
 
 
-def check_mesh_uses_rules(mesh: Mesh, rules: Rules) -> None:
-  """Rejects, before compiling, a model-splitting mesh axis (>1) that no parameter rule uses.
+def check_mesh_uses_rules(mesh: Mesh, rules: Rules, has_experts: bool = False, pipelined: bool = False) -> None:
+  """Rejects, before compiling, a mesh axis (>1) that would silently do nothing useful.
 
-  `data` only ever splits the batch; any other axis of size > 1 is there to split parameters, and if the rules
-  never name it the run silently degrades (e.g. fsdp=8 under the `dp` preset is plain data parallelism).
+  `data` only ever splits the batch. `fsdp` and `tensor` are there to split parameters: if the rules never name
+  them the run silently degrades (fsdp=8 under the `dp` preset is plain data parallelism). `expert` needs a
+  mixture-of-experts model, `stage` a pipelined one; `sequence` always splits the activations.
   """
   def splits_params(r: Rules, axis: str) -> bool:
     return any(axis in _mesh_axes(v) for k, v in r if not k.startswith("act_"))
   for axis, size in mesh.shape.items():
-    if size > 1 and axis != "data" and not splits_params(rules, axis):
+    if size == 1 or axis in ("data", "sequence"):
+      continue
+    if axis == "expert" and not has_experts:
+      raise UserError(f"mesh.expert={size} splits mixture-of-experts layers, but this model has none; set "
+                      f"model.num_experts (e.g. {size * 2}) or put the devices on mesh.data")
+    if axis == "stage" and not pipelined:
+      raise UserError(f"mesh.stage={size} needs model.num_layers divisible into {size} stages")
+    if axis in ("fsdp", "tensor") and not splits_params(rules, axis):
       fits = [name for name, r in PRESETS.items() if splits_params(r, axis)]
       raise UserError(f"mesh axis {axis}={size} is not used by these sharding rules to split parameters; choose "
                       f"sharding.rules from {', '.join(fits)} or set mesh.{axis}=1 (and put the devices on mesh.data)")
@@ -75,13 +99,15 @@ def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(("act_batch", "act_len"), rules))
 
 
-def check_batch(mesh: Mesh, batch_size: int, micro_batches: int = 1) -> None:
+def check_batch(mesh: Mesh, batch_size: int, micro_batches: int = 1, split_by: str = "grad_accum_steps") -> None:
+  """The batch, and each of its `micro_batches` parts, must split evenly over the batch axes."""
   ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
   micro = batch_size // micro_batches
   if micro % ways:
-    what = f"batch_size={batch_size}" + (f" / grad_accum_steps={micro_batches} = {micro} per micro-batch" if micro_batches > 1 else "")
+    what = f"batch_size={batch_size}" + (f" / {split_by}={micro_batches} = {micro} per micro-batch" if micro_batches > 1 else "")
+    axes = " x ".join(a for a in BATCH_AXES if mesh.shape[a] > 1) or "data"
     good = ways * micro_batches
-    raise UserError(f"{what} is not divisible by the batch axes data x fsdp = {ways}; use a batch_size that is a "
+    raise UserError(f"{what} is not divisible by the batch axes {axes} = {ways}; use a batch_size that is a "
                     f"multiple of {good} (e.g. {good * max(1, round(batch_size / good))}) or change the mesh")
 
 

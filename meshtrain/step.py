@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshtrain.models import moe
+
 
 class TrainState(flax.struct.PyTreeNode):
   step: jax.Array  # int32 scalar: steps taken so far (the data position), skipped updates included
@@ -25,27 +27,41 @@ class TrainState(flax.struct.PyTreeNode):
     return cls(step=zero, params=params, opt_state=opt_state, nonfinite_steps=zero, last_nonfinite_step=zero)
 
 
-def loss_sums(params, batch, *, apply_fn: Callable, pad_id: int):
-  """Summed next-token cross-entropy over non-pad targets, and the number of those targets."""
-  logits_BLV = apply_fn({"params": params}, batch["inputs"])
-  targets_BL = batch["targets"]
+def loss_sums(params, batch, *, apply_fn: Callable, pad_id: int, token_order=None):
+  """Summed next-token cross-entropy over non-pad targets, the number of those targets, and MoE values.
+
+  Returns (objective, (loss_sum, count, moe)): the objective adds the MoE auxiliary loss (a mean, so weighted by
+  the token count) to the cross-entropy sum; `moe` holds the router statistics ({} for a dense model).
+  `token_order` (a permutation of the columns, or None) feeds the model its tokens in that order with those
+  positions, and permutes the targets alike: the summed loss is unchanged, only the layout of work differs.
+  """
+  inputs_BL, targets_BL = batch["inputs"], batch["targets"]
+  if token_order is not None:
+    inputs_BL, targets_BL = inputs_BL[:, token_order], targets_BL[:, token_order]
+    logits_BLV, state = apply_fn({"params": params}, inputs_BL, jnp.asarray(token_order), mutable=["moe"])
+  else:
+    logits_BLV, state = apply_fn({"params": params}, inputs_BL, mutable=["moe"])
   logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
   target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
   weight_BL = (targets_BL != pad_id).astype(jnp.float32)
-  return jnp.sum((logz_BL - target_logit_BL) * weight_BL), jnp.sum(weight_BL)
+  loss_sum, count = jnp.sum((logz_BL - target_logit_BL) * weight_BL), jnp.sum(weight_BL)
+  moe_values = moe.collect(state["moe"]) if state.get("moe") else {}
+  objective = loss_sum + moe_values.get("aux_loss", 0.0) * count
+  return objective, (loss_sum, count, moe_values)
 
 
 def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransformation, schedule: optax.Schedule,
-               pad_id: int, accum_steps: int = 1, nan_at_step: int = -1):
+               pad_id: int, accum_steps: int = 1, nan_at_step: int = -1, token_order=None):
   """One optimizer update on a global batch; returns the new state and scalar metrics (left on device).
 
   A step whose loss or gradients are not finite leaves parameters and optimizer state unchanged (so a NaN state
   can never be saved) and is counted in the state; the host decides whether to stop or carry on.
   `nan_at_step` poisons that step's gradients: fault injection for testing exactly this path.
   """
-  grad_fn = jax.value_and_grad(lambda p, b: loss_sums(p, b, apply_fn=apply_fn, pad_id=pad_id), has_aux=True)
+  grad_fn = jax.value_and_grad(
+      lambda p, b: loss_sums(p, b, apply_fn=apply_fn, pad_id=pad_id, token_order=token_order), has_aux=True)
   if accum_steps == 1:
-    (loss_sum, count), grads = grad_fn(state.params, batch)
+    (_, (loss_sum, count, moe_values)), grads = grad_fn(state.params, batch)
   else:
     # Micro-batch a takes rows a, a+A, a+2A, ...: each device keeps its own rows, so splitting needs no traffic.
     def split(x_BL):
@@ -53,11 +69,12 @@ def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransfor
       return nn.with_logical_constraint(x_ABL, (None, "act_batch", "act_len"))
 
     def accumulate(carry, micro):
-      (loss_sum, count), grads = grad_fn(state.params, micro)
-      return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
+      (_, (loss_sum, count, moe_values)), grads = grad_fn(state.params, micro)
+      return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), moe_values
 
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
-    (loss_sum, count, grads), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+    (loss_sum, count, grads), moe_values = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+    moe_values = jax.tree.map(jnp.mean, moe_values)
   step = state.step + 1
   if nan_at_step >= 0:
     poison = jnp.where(step == nan_at_step, jnp.nan, 1.0)
@@ -73,11 +90,12 @@ def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransfor
                         nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
                         last_nonfinite_step=jnp.where(finite, state.last_nonfinite_step, step))
   metrics = {"loss": loss_sum / count, "grad_norm": grad_norm, "learning_rate": schedule(step - 1), "tokens": count,
-             "nonfinite_steps": state.nonfinite_steps, "last_nonfinite_step": state.last_nonfinite_step}
+             "nonfinite_steps": state.nonfinite_steps, "last_nonfinite_step": state.last_nonfinite_step,
+             **{f"moe_{k}": v for k, v in moe_values.items()}}
   return state, metrics
 
 
-def eval_step(params, batch, *, apply_fn, pad_id: int):
+def eval_step(params, batch, *, apply_fn, pad_id: int, token_order=None):
   """Sums for validation: cross-entropy (nats), target tokens, and byte targets (ids < 256) for bits per byte."""
-  loss_sum, count = loss_sums(params, batch, apply_fn=apply_fn, pad_id=pad_id)
+  _, (loss_sum, count, _) = loss_sums(params, batch, apply_fn=apply_fn, pad_id=pad_id, token_order=token_order)
   return {"loss_sum": loss_sum, "tokens": count, "bytes": jnp.sum((batch["targets"] < 256).astype(jnp.float32))}

@@ -17,10 +17,10 @@ CASES = {  # extra arguments: fragments the message must contain
     "mesh product": (["--config.mesh.data=3"], ["multiply to 3, but there are 8 devices", "make the product 8"]),
     "mesh fill": (["--config.mesh.fsdp=3"], ["cannot fill data=-1", "8 devices are not divisible"]),
     "two fills": (["--config.mesh.fsdp=-1"], ["only one axis may be -1"]),
-    "batch axes": (["--config.batch_size=12"], ["batch_size=12 is not divisible by the batch axes data x fsdp = 8",
+    "batch axes": (["--config.batch_size=12"], ["batch_size=12 is not divisible by the batch axes data = 8",
                                                  "multiple of 8"]),
     "micro-batch": (["--config.batch_size=16", "--config.optimizer.grad_accum_steps=4"],
-                    ["4 per micro-batch is not divisible by the batch axes data x fsdp = 8", "multiple of 32"]),
+                    ["grad_accum_steps=4 = 4 per micro-batch is not divisible by the batch axes data = 8", "multiple of 32"]),
     "accumulation": (["--config.optimizer.grad_accum_steps=3"], ["batch_size=16 is not divisible by "
                                                                   "optimizer.grad_accum_steps=3"]),
     "model dim": (["--config.mesh.data=1", "--config.mesh.tensor=8", "--config.model.num_kv_heads=4"],

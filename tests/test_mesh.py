@@ -53,4 +53,4 @@ def test_hybrid_mesh_puts_data_axis_across_processes(tmp_path):
     assert p.returncode == 0, err[-2000:]
     # data=2 spans the processes; fsdp x tensor stay inside each process (the fast links).
     assert "{'data': 2, 'fsdp': 2, 'tensor': 2} [[0, 0, 0, 0], [1, 1, 1, 1]]" in out
-    assert "mesh.nodes (2 nodes): axis sizes data=1 x fsdp=1 x tensor=1 multiply to 1, but there are 2 nodes" in out
+    assert "mesh.nodes (2 nodes): axis sizes data=1 multiply to 1, but there are 2 nodes" in out

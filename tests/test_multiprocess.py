@@ -37,7 +37,7 @@ def single(tmp_path_factory):
 def test_processes_match_one_process(processes, devices, single, tmp_path):
   proc = launch(processes, devices, tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f"[p0] mesh: data=8 x fsdp=1 x tensor=1 (8 cpu devices, {processes} process(es))" in proc.stdout
+  assert f"[p0] mesh: data=8 (8 cpu devices, {processes} process(es))" in proc.stdout
   assert "[p1] done" not in proc.stdout and "[p0] done: step 4" in proc.stdout  # only process 0 reports
   ref, got = losses(single), losses(tmp_path)
   assert [s for s, _ in got] == [s for s, _ in ref]

@@ -1,4 +1,6 @@
 """Every mesh layout computes the same losses and gradients as one device (float32, stated tolerances)."""
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,10 @@ LAYOUTS = {  # name: (mesh sizes, sharding rules)
     "data=2 x fsdp=2 x tensor=2": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
     "fsdp=4 x tensor=2": ({"data": 1, "fsdp": 4, "tensor": 2}, "fsdp_tp"),
     "data=2 x tensor=4": ({"data": 2, "tensor": 4}, "tp"),
+    "data=2 x tensor=4, sequence parallel": ({"data": 2, "tensor": 4}, "tp", {"sharding.sequence_parallel": True}),
+    "sequence=4 x data=2, ring": ({"data": 2, "sequence": 4}, "dp"),
+    "sequence=8, all-gather": ({"sequence": 8}, "dp", {"model.context_attention": "allgather"}),
+    "sequence=8, ring, no load balance": ({"sequence": 8}, "dp", {"sharding.causal_load_balance": False}),
 }
 # Sharded reductions add in another order than one device does: float32 rounding differs at ~1e-7 relative
 # per op; after three Adam steps the losses agree to ~1e-6. A layout bug (a wrong split, a missing reduction)
@@ -21,7 +27,7 @@ LOSS_RTOL = 2e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7
 
 
-def tiny_config(mesh_sizes, rules, accum=1):
+def tiny_config(mesh_sizes, rules, overrides=None, accum=1):
   cfg = config.base_config()
   cfg.steps, cfg.batch_size, cfg.seq_len = STEPS, 16, 64
   cfg.optimizer.warmup_steps = 1
@@ -30,6 +36,9 @@ def tiny_config(mesh_sizes, rules, accum=1):
   cfg.sharding.rules = rules
   cfg.model.vocab_size = 384
   cfg.model.num_layers = 2  # enough to test the layer stack; halves the unrolled compile
+  for key, value in (overrides or {}).items():
+    group, name = key.split(".")
+    cfg[group][name] = value
   return cfg
 
 
@@ -72,6 +81,19 @@ def test_layout_matches_one_device(name, reference):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads)
 
 
+MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.capacity_factor": 1.5}
+
+
+def test_experts_match_one_device():
+  """Mixture of experts: experts split over `expert` (tokens moved by all-to-all) equals the same model on one
+  device, including which tokens are dropped (capacity is per sequence, so it does not depend on the layout)."""
+  ref_losses, ref_grads, _ = train(tiny_config({}, "dp", MOE), jax.devices()[:1])
+  losses, grads, _ = train(tiny_config({"data": 2, "expert": 4}, "dp", MOE), jax.devices())
+  assert np.abs(ref_grads["layers"]["moe"]["gate"]).max() > 1e-4  # the experts are in the gradient
+  np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads)
+
+
 def test_gradient_accumulation_matches_full_batch(reference):
   ref_losses, _, ref_params = reference
   losses, _, params = train(tiny_config({"data": 2, "fsdp": 4}, "fsdp", accum=2), jax.devices())
@@ -100,3 +122,14 @@ def test_bfloat16_compute_keeps_float32_parameters(reference):
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(params) + jax.tree.leaves(grads))
   # bfloat16 keeps 8 bits of mantissa: the loss of a 6-nat model agrees to about 1e-2.
   np.testing.assert_allclose(losses, ref_losses, atol=2e-2)
+
+
+def test_sequence_parallel_splits_the_residual_stream():
+  """Megatron SP: the residual stream [B/data, L, D] is gathered before each tensor-parallel half (and the
+  partial sums reduced back into sequence shards); without it the stream stays whole and no such gather exists."""
+  def activation_gathers(sequence_parallel):
+    cfg = tiny_config({"data": 2, "tensor": 4}, "tp", {"sharding.sequence_parallel": sequence_parallel})
+    text = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), PAD_ID).compile_train_step().as_text()
+    return len(re.findall(r"= f32\[8,64,128\]\{[0-9,]+\} all-gather(-start)?\(", text))
+  assert activation_gathers(False) == 0
+  assert activation_gathers(True) >= 4  # at least attention and MLP inputs of both layers, forward

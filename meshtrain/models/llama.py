@@ -14,6 +14,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from meshtrain.models.moe import MoEConfig, MoEMLP
+from meshtrain.parallel import context, pipeline
+
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, recompute the rest
@@ -38,12 +41,35 @@ class ModelConfig:
   remat: str = "none"
   scan_layers: bool = True
   attention: str = "auto"
+  context_attention: str = "ring"  # attention over a sequence split across devices: ring | allgather
+  num_experts: int = 0             # > 0: every MLP is a mixture of experts (meshtrain/models/moe.py)
+  experts_per_token: int = 2
+  capacity_factor: float = 1.25
+  aux_loss_weight: float = 1e-2
+  router_z_loss_weight: float = 1e-3
+  pipeline_stages: int = 1         # set from mesh.stage: layers split into this many consecutive stages
+  pipeline_microbatches: int = 1
 
   @classmethod
   def from_config(cls, model_cfg) -> "ModelConfig":
     """From the `model` config group (extra informational fields such as `preset` are ignored)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in dict(model_cfg).items() if k in names})
+
+
+def moe_config(c: ModelConfig) -> MoEConfig:
+  return MoEConfig(c.num_experts, c.experts_per_token, c.capacity_factor, c.aux_loss_weight, c.router_z_loss_weight)
+
+
+def context_axis() -> str | None:
+  """The mesh axis splitting the activations' sequence (`act_len`) under the active rules and mesh, if any."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  axes = nn.logical_to_mesh_axes(("act_len",))[0]
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  split = [a for a in axes if mesh.shape[a] > 1]
+  return split[0] if split else None
 
 
 def _param(module, name, shape, logical, std, dtype):
@@ -62,11 +88,11 @@ class RMSNorm(nn.Module):
     return (x * scale_D).astype(self.cfg.dtype)
 
 
-def rotary(x_BLHE, theta: float):
-  """Rotary position embedding on the two halves of each head (positions 0..L-1)."""
-  L, E = x_BLHE.shape[1], x_BLHE.shape[-1]
+def rotary(x_BLHE, pos_L, theta: float):
+  """Rotary position embedding on the two halves of each head, at each token's position in its sequence."""
+  E = x_BLHE.shape[-1]
   freq_E2 = theta ** (-jnp.arange(0, E // 2, dtype=jnp.float32) * 2 / E)
-  angle_LE2 = jnp.arange(L, dtype=jnp.float32)[:, None] * freq_E2[None, :]
+  angle_LE2 = pos_L.astype(jnp.float32)[:, None] * freq_E2[None, :]
   sin, cos = jnp.sin(angle_LE2)[None, :, None, :], jnp.cos(angle_LE2)[None, :, None, :]
   x1, x2 = jnp.split(x_BLHE.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHE.dtype)
@@ -76,7 +102,7 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD):
+  def __call__(self, x_BLD, pos_L):
     c = self.cfg
     D, H, K, E = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)  # residual branches summed N times: keep their sum O(1)
@@ -87,12 +113,18 @@ class Attention(nn.Module):
     q_BLHE = jnp.einsum("BLD,DHE->BLHE", x_BLD, w_q.astype(c.dtype))
     k_BLKE = jnp.einsum("BLD,DKE->BLKE", x_BLD, w_k.astype(c.dtype))
     v_BLKE = jnp.einsum("BLD,DKE->BLKE", x_BLD, w_v.astype(c.dtype))
-    q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, c.rope_theta), ("act_batch", "act_len", "act_heads", "act_head_dim"))
-    k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, c.rope_theta), ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
+    q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_heads", "act_head_dim"))
+    k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
-    # One call for grouped-query causal attention: on GPUs with bf16 it can pick cuDNN's fused kernel.
-    impl = None if c.attention == "auto" else c.attention
-    o_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation=impl)
+    if axis := context_axis():
+      # The sequence is split over devices: each holds a chunk of queries and must see every earlier key.
+      pos_BL = jnp.broadcast_to(pos_L, q_BLHE.shape[:2])
+      o_BLHE = context.sequence_sharded_attention(q_BLHE, k_BLKE, v_BLKE, pos_BL, mesh=jax.sharding.get_abstract_mesh(),
+                                                  axis_name=axis, impl=c.context_attention, causal=True)
+    else:
+      # One call for grouped-query causal attention: on GPUs with bf16 it can pick cuDNN's fused kernel.
+      impl = None if c.attention == "auto" else c.attention
+      o_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation=impl)
     o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
     return jnp.einsum("BLHE,HED->BLD", o_BLHE, w_o.astype(c.dtype))
 
@@ -117,34 +149,45 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, _):
-    x_BLD = x_BLD + Attention(self.cfg, name="attn")(RMSNorm(self.cfg, name="attn_norm")(x_BLD))
-    x_BLD = x_BLD + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x_BLD))
-    return nn.with_logical_constraint(x_BLD, ("act_batch", "act_len", "act_embed")), None
+  def __call__(self, x_BLD, pos_L):
+    c = self.cfg
+    residual = lambda x: nn.with_logical_constraint(x, ("act_batch", "act_res_len", "act_embed"))
+    x_BLD = residual(x_BLD + Attention(c, name="attn")(residual(RMSNorm(c, name="attn_norm")(x_BLD)), pos_L))
+    mlp = MoEMLP(c, moe_config(c), name="moe") if c.num_experts else MLP(c, name="mlp")
+    x_BLD = residual(x_BLD + mlp(residual(RMSNorm(c, name="mlp_norm")(x_BLD))))
+    return x_BLD, None
 
 
 class Transformer(nn.Module):
-  """tokens [B, L] int32 -> logits [B, L, V] float32."""
+  """tokens [B, L] int32 (and optionally each column's position [L]) -> logits [B, L, V] float32.
+
+  Positions default to 0..L-1; context parallelism with causal load balancing passes a permutation (the tokens
+  and targets are permuted the same way, see meshtrain/parallel/context.py).
+  """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BL):
+  def __call__(self, tokens_BL, pos_L=None):
     c = self.cfg
+    pos_L = jnp.arange(tokens_BL.shape[1]) if pos_L is None else pos_L
     embed_VD = _param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.dtype)
-    x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_len", "act_embed"))
+    x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_res_len", "act_embed"))
     block = Block
     if c.remat != "none":
       # Under scan, CSE across iterations cannot undo the remat, so its prevention (which costs speed) is off.
       block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
-    if c.scan_layers:
-      # One block compiled once and iterated: compile time and HLO size independent of depth.
-      stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.num_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
-      x_BLD, _ = stack(c, name="layers")(x_BLD, None)
+    if c.pipeline_stages > 1:
+      x_BLD = pipeline.Pipeline(block, c, name="layers")(x_BLD, pos_L)
+    elif c.scan_layers:
+      # One block compiled once and iterated: compile time and HLO size independent of depth. MoE auxiliary
+      # values ("moe" collection) get a leading layer axis like the parameters.
+      stack = nn.scan(block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True},
+                      in_axes=nn.broadcast, length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BLD, _ = stack(c, name="layers")(x_BLD, pos_L)
     else:
       for i in range(c.num_layers):
-        x_BLD, _ = block(c, name=f"layer_{i}")(x_BLD, None)
+        x_BLD, _ = block(c, name=f"layer_{i}")(x_BLD, pos_L)
     x_BLD = RMSNorm(c, name="final_norm")(x_BLD)
     if c.tie_embeddings:
       logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, embed_VD.astype(c.dtype))

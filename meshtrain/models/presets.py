@@ -36,4 +36,10 @@ def model_config(name: str) -> ml_collections.ConfigDict:
   m.remat = "none"                # rematerialization: none | full | save_dots (keep matmul outputs, recompute the rest)
   m.scan_layers = True            # run the blocks under jax.lax.scan (one compiled block) instead of unrolled
   m.attention = "auto"            # jax.nn.dot_product_attention implementation: auto | xla | cudnn
+  m.context_attention = "ring"    # with mesh.sequence > 1: ring (K/V passed around, O(L/n) memory) | allgather
+  m.num_experts = 0               # > 0: mixture-of-experts MLPs with this many experts (each of width mlp_dim)
+  m.experts_per_token = 2         # experts each token is routed to (top-k)
+  m.capacity_factor = 1.25        # expert slots per group = ceil(factor x tokens x k / experts); overflow is dropped
+  m.aux_loss_weight = 1e-2        # Switch load-balancing loss weight
+  m.router_z_loss_weight = 1e-3   # router z-loss weight (keeps router logits small)
   return m

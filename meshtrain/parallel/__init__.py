@@ -1,0 +1,1 @@
+"""Parallelism that needs more than sharding annotations: explicit collectives inside shard_map."""
