@@ -24,7 +24,23 @@ from meshtrain import config as config_lib, perf
 from meshtrain.errors import UserError
 
 
-def bench(cfg, steps: int, warmup: int) -> dict:
+def fixed_batch(path: str, cfg, sharding):
+  """A [batch_size, seq_len + 1] token array from a .npy file as the global batch (one process)."""
+  import jax
+  import numpy as np
+  try:
+    tokens = np.load(path)
+  except (OSError, ValueError) as e:
+    raise UserError(f"--tokens {path}: cannot read a .npy array ({e})") from e
+  want = (cfg.batch_size, cfg.seq_len + 1)
+  if tokens.shape != want or tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= cfg.model.vocab_size:
+    raise UserError(f"--tokens {path}: need integer ids in [0, {cfg.model.vocab_size}) of shape {want} "
+                    f"(batch_size, seq_len + 1); got {tokens.dtype} {tokens.shape}")
+  tokens = tokens.astype(np.int32)
+  return jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, sharding)
+
+
+def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
   from meshtrain import runtime
   runtime.start(cfg)
   import jax
@@ -36,16 +52,21 @@ def bench(cfg, steps: int, warmup: int) -> dict:
   step_fn = layout.compile_train_step()
   compile_s = time.perf_counter() - t0
   state = layout.init(cfg.seed)
-  batch = data.global_batch(src, 0, cfg.batch_size, layout.batch_sharding)
+  if tokens_path:
+    batch = fixed_batch(tokens_path, cfg, layout.batch_sharding)
+  else:
+    batch = data.global_batch(src, 0, cfg.batch_size, layout.batch_sharding)
+  losses = []  # one fixed batch, so this is a memorisation curve: comparable with a peer's on the same batch
   for _ in range(warmup):
     state, metrics = step_fn(state, batch)
-  jax.block_until_ready(state)
+    losses.append(float(metrics["loss"]))
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
     state, metrics = step_fn(state, batch)
     jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - t0)
+    times.append(time.perf_counter() - t0)  # the loss is read after the clock stops
+    losses.append(float(metrics["loss"]))
   step_s = statistics.median(times)
   tokens = cfg.batch_size * cfg.seq_len
   flops_per_token = perf.model_flops(cfg, layout.table)
@@ -60,7 +81,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
       "mesh": dict(mesh.shape), "memory_per_device_bytes": {
           "arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
           "temporaries": mem.temp_size_in_bytes},
-      "loss": float(metrics["loss"]),
+      "loss": losses[-1], "losses": losses,
   }
 
 
@@ -84,13 +105,15 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
   parser.add_argument("--loop", type=int, default=0, metavar="N",
                       help="also run the train loop for N steps and report its wall time / the step time")
+  parser.add_argument("--tokens", default="", metavar="FILE.npy",
+                      help="train on this fixed [batch_size, seq_len + 1] token batch (a peer's synthetic batch)")
   parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
   try:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.steps < 1 or args.warmup < 0 or args.loop in (1, 2) or args.loop < 0:
       raise UserError("--steps must be >= 1, --warmup >= 0 and --loop 0 (off) or >= 3")
     cfg = config_lib.load(args.config, overrides)
-    result = bench(cfg, args.steps, args.warmup)
+    result = bench(cfg, args.steps, args.warmup, args.tokens)
     if args.loop:
       result.update(loop_efficiency(cfg, args.loop, result["step_time_s"]))
   except UserError as e:

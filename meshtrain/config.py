@@ -72,6 +72,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Pipeline parallelism (mesh.stage > 1): the global batch is cut into micro-batches that flow through the stages.
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.microbatches = 4   # more micro-batches: smaller bubble ((stages-1)/(microbatches+stages-1) idle)
+  c.pipeline.schedule = "gpipe"  # gpipe | circular (each stage holds `repeats` non-adjacent layer groups)
+  c.pipeline.repeats = 1        # circular only: passes through the stages; bubble (S-1)/(repeats*M+S-1)
 
   c.model = presets.model_config("tiny")
 
@@ -191,8 +193,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                     "num_experts=0 (dense MLP) or 1 <= experts_per_token <= num_experts")
   if m.capacity_factor <= 0:
     raise UserError(f"model.capacity_factor={m.capacity_factor} must be positive (1.0-2.0 is usual)")
-  if cfg.pipeline.microbatches < 1:
-    raise UserError(f"pipeline.microbatches={cfg.pipeline.microbatches} must be >= 1")
+  if cfg.pipeline.microbatches < 1 or cfg.pipeline.repeats < 1:
+    raise UserError(f"pipeline.microbatches={cfg.pipeline.microbatches} and pipeline.repeats="
+                    f"{cfg.pipeline.repeats} must be >= 1")
+  _check_choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "circular"))
+  if cfg.pipeline.schedule == "gpipe" and cfg.pipeline.repeats != 1:
+    raise UserError(f"pipeline.repeats={cfg.pipeline.repeats} needs pipeline.schedule=circular; GPipe makes one pass")
   if m.num_heads % m.num_kv_heads:
     raise UserError(f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
                     "grouped-query attention shares each KV head among num_heads/num_kv_heads query heads")

@@ -37,6 +37,15 @@ class Layout:
   token_order: np.ndarray | None        # column permutation fed to the model (context-parallel load balance)
 
   @property
+  def layer_order(self) -> str:
+    """How the stacked layer axis is ordered in the parameters (and checkpoints): the circular pipeline stores
+    layers stage-major, so its checkpoints only fit a run with the same stages and repeats."""
+    c = self.model.cfg
+    if c.pipeline_stages > 1 and c.pipeline_schedule == "circular" and c.pipeline_repeats > 1:
+      return f"circular(stages={c.pipeline_stages}, repeats={c.pipeline_repeats})"
+    return "sequential"
+
+  @property
   def micro_batch(self) -> int:
     return self.cfg.batch_size // self.cfg.optimizer.grad_accum_steps
 
@@ -98,11 +107,19 @@ def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
   """Checks the layout from shapes alone, then derives every sharding of the train state."""
   rules = sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel)
   stages, shards = mesh.shape["stage"], mesh.shape["sequence"]
+  p = cfg.pipeline
+  repeats = p.repeats if stages > 1 else 1
   model_cfg = dataclasses.replace(ModelConfig.from_config(cfg.model), pipeline_stages=stages,
-                                  pipeline_microbatches=cfg.pipeline.microbatches if stages > 1 else 1)
-  if cfg.model.num_layers % stages:
-    raise UserError(f"model.num_layers={cfg.model.num_layers} cannot be split into mesh.stage={stages} equal "
-                    f"pipeline stages; use a stage count that divides the layer count")
+                                  pipeline_microbatches=p.microbatches if stages > 1 else 1,
+                                  pipeline_schedule=p.schedule, pipeline_repeats=repeats)
+  if cfg.model.num_layers % (stages * repeats):
+    raise UserError(f"model.num_layers={cfg.model.num_layers} cannot be split into mesh.stage={stages} x "
+                    f"pipeline.repeats={repeats} equal layer groups; use sizes whose product divides the layer count")
+  if stages > 1 and cfg.model.num_experts:
+    raise UserError("pipeline stages (mesh.stage > 1) with a mixture-of-experts model are not supported: the "
+                    "router's auxiliary loss is not carried through the pipeline; use mesh.stage=1")
+  if stages > 1 and p.schedule == "circular" and p.microbatches < stages:
+    raise UserError(f"the circular schedule needs pipeline.microbatches >= mesh.stage ({p.microbatches} < {stages})")
   sharding.check_mesh_uses_rules(mesh, rules, has_experts=cfg.model.num_experts > 0, pipelined=stages > 1)
   sharding.check_batch(mesh, cfg.batch_size, cfg.optimizer.grad_accum_steps)
   if stages > 1:

@@ -67,8 +67,11 @@ def train(cfg, workdir: pathlib.Path) -> dict:
   train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)
-  check = lambda step, meta: checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, step,
-                                                         ckpt.directory)
+  def check(step, meta):
+    checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, step, ckpt.directory)
+    if meta.get("layer_order", "sequential") != layout.layer_order:
+      raise UserError(f"the checkpoint at step {step} in {ckpt.directory} stores its layers in {meta['layer_order']} "
+                      f"order, this run in {layout.layer_order} order; use its pipeline settings to resume")
   # Restored straight into this run's shardings: another mesh or process count needs no conversion.
   start, state, _ = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
   if start is not None and start >= cfg.steps:
@@ -108,7 +111,7 @@ def train(cfg, workdir: pathlib.Path) -> dict:
     if cfg.nonfinite == "stop":  # a save is a sync point anyway: never keep a run that should have stopped
       check_finite(jax.device_get({k: getattr(state, k) for k in ("nonfinite_steps", "last_nonfinite_step")}))
     watchdog.beat(at_step, "saving a checkpoint")
-    ckpt.save(at_step, state, {"config": cfg.to_dict(),
+    ckpt.save(at_step, state, {"config": cfg.to_dict(), "layer_order": layout.layer_order,
                                "data": {"next_step": at_step, "seed": cfg.seed, "batch_size": cfg.batch_size,
                                         "name": cfg.data.name}})
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from meshtrain import config, layout as layout_lib, mesh as mesh_lib
+from meshtrain.parallel import pipeline
 
 PAD_ID = 256
 STEPS = 3
@@ -90,6 +91,36 @@ def test_experts_match_one_device():
   ref_losses, ref_grads, _ = train(tiny_config({}, "dp", MOE), jax.devices()[:1])
   losses, grads, _ = train(tiny_config({"data": 2, "expert": 4}, "dp", MOE), jax.devices())
   assert np.abs(ref_grads["layers"]["moe"]["gate"]).max() > 1e-4  # the experts are in the gradient
+  np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads)
+
+
+@pytest.fixture(scope="module")
+def reference_4_layers():
+  return train(tiny_config({}, "dp", {"model.num_layers": 4}), jax.devices()[:1])
+
+
+PIPELINES = {  # pipeline layouts: 4 layers, so that 4 stages have one each
+    "stage=2 x data=4": ({"stage": 2, "data": 4}, "dp", {}),
+    "stage=4 x fsdp=2": ({"stage": 4, "fsdp": 2}, "fsdp", {}),
+    "stage=2 x fsdp=2 x tensor=2, circular": ({"stage": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp",
+                                              {"pipeline.schedule": "circular", "pipeline.repeats": 2}),
+}
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_pipeline_matches_one_device(name, reference_4_layers):
+  ref_losses, ref_grads, _ = reference_4_layers
+  mesh_sizes, rules, extra = PIPELINES[name]
+  cfg = tiny_config(mesh_sizes, rules, {"model.num_layers": 4, "pipeline.microbatches": 4, **extra})
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), PAD_ID)
+  if layout.layer_order != "sequential":  # circular: the same weights, stored stage-major
+    ref_grads = {**ref_grads, "layers": pipeline.to_pipeline_params(ref_grads["layers"], 2, 2)}
+    init = layout_lib.build(tiny_config({}, "dp", {"model.num_layers": 4}), mesh_lib.make_mesh({}, devices=jax.devices()[:1]), PAD_ID).init(0).params
+    init = {**init, "layers": pipeline.to_pipeline_params(init["layers"], 2, 2)}
+  else:
+    init = None
+  losses, grads, _ = train(cfg, jax.devices(), init_params=init)
   np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads)
 

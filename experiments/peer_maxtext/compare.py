@@ -1,11 +1,12 @@
 """/work/main/.venv/bin/python experiments/peer_maxtext/compare.py [--devices 1 2 8] [--steps 30] [--warmup 3] [--rounds 2]
 
-Peer benchmark: meshtrain vs MaxText training the same model shape on N simulated CPU devices (FSDP over all of
-them, global batch 4 x 256 tokens, synthetic data, AdamW). For each device count, round-robin `--rounds` times:
-(a) MaxText's own trainer (experiments/peer_maxtext/.venv, made by setup.sh) as a subprocess, tokens/s from the
-median of its per-step seconds after `--warmup` steps; (b) `python -m meshtrain.bench` as a subprocess. Once per
-device count, `python -m meshtrain.train` gives meshtrain's per-step loss curve. Writes a table to stdout,
-results.json, tokens_per_sec.png and loss.png next to this file; raw logs go to logs/. See README.md.
+Peer benchmark: meshtrain vs MaxText training the same model shape (configs/maxtext_tiny.py) on N simulated CPU
+devices, on the same data: MaxText's synthetic batch (one fixed random batch, repeated), which this script
+recreates bit for bit and hands to `meshtrain.bench --tokens`. For each device count, round-robin `--rounds`
+times: (a) MaxText's own trainer (experiments/peer_maxtext/.venv, made by setup.sh) as a subprocess, tokens/s
+from the median of its per-step seconds after `--warmup` steps; (b) `python -m meshtrain.bench`, likewise.
+Writes a table to stdout, results.json, tokens_per_sec.png and loss.png next to this file; raw logs go to logs/.
+See README.md.
 """
 import argparse
 import datetime
@@ -103,14 +104,13 @@ def load_meshtrain_config(config: str, overrides: list[str]):
   return config_lib.load(str(REPO / config), overrides)
 
 
-def fallback_layout(cfg, devices: int) -> list[str] | None:
-  """meshtrain splits the batch over data x fsdp, so a global batch smaller than the device count cannot be
-  FSDP over all devices. Then: FSDP over the largest device divisor that divides the batch, tensor over the rest."""
-  if cfg.batch_size % devices == 0:
-    return None
+def fallback_layout(cfg, devices: int) -> list[str]:
+  """The layout for `devices`: FSDP over all of them when the batch splits that many ways, as MaxText does.
+  A 4-sequence batch cannot be split over 8 devices (MaxText loads 8 rows and trains on 4), so there meshtrain
+  splits the batch over the largest divisor that divides it and the sequence over the rest (context parallelism)."""
   fsdp = max(d for d in range(1, devices + 1) if devices % d == 0 and cfg.batch_size % d == 0)
-  return ["--config.mesh.data=1", f"--config.mesh.fsdp={fsdp}", f"--config.mesh.tensor={devices // fsdp}",
-          "--config.sharding.rules=fsdp_tp"]
+  return ["--config.mesh.data=1", f"--config.mesh.fsdp={fsdp}", f"--config.mesh.sequence={devices // fsdp}",
+          "--config.mesh.tensor=1"]
 
 
 # ---------------------------------------------------------------- MaxText
@@ -202,12 +202,29 @@ def run_maxtext(cfg, devices, args, tag) -> dict:
 
 # ---------------------------------------------------------------- meshtrain
 
-def run_meshtrain_bench(mt_args, devices, args, tag) -> dict:
+def maxtext_batch(cfg, devices: int) -> pathlib.Path:
+  """The exact token batch MaxText trains on, saved for `meshtrain.bench --tokens`.
+
+  MaxText's synthetic iterator draws jax.random.randint(PRNGKey(0), (rows loaded, L + 1), 0, V) once and repeats
+  it every step; with per_device_batch_size < 1 it loads one row per device and its loss_fn keeps the first
+  `batch` rows. Same PRNG (threefry, partitionable) in both venvs, so the arrays are identical.
+  """
+  import jax
+  import numpy as np
+  rows = max(devices, cfg.batch_size) if cfg.batch_size < devices else cfg.batch_size
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (rows, cfg.seq_len + 1), 0, cfg.model.vocab_size, dtype="int32")
+  path = LOGS / f"maxtext_batch_{devices}dev.npy"
+  LOGS.mkdir(parents=True, exist_ok=True)
+  np.save(path, np.asarray(tokens)[:cfg.batch_size])
+  return path
+
+
+def run_meshtrain_bench(mt_args, devices, args, tag, tokens: pathlib.Path) -> dict:
   total = args.warmup + args.steps
   log = LOGS / f"meshtrain_bench_{devices}dev_{tag}.log"
   # --config.steps=total: the learning-rate schedule of a `total`-step run, as MaxText and meshtrain.train get.
   cmd = [str(MESHTRAIN_PY), "-m", "meshtrain.bench", *mt_args, f"--config.steps={total}", "--json",
-         "--steps", str(args.steps), "--warmup", str(args.warmup)]
+         "--steps", str(args.steps), "--warmup", str(args.warmup), "--tokens", str(tokens)]
   rc, wall, rss = run_logged(cmd, log, clean_env(), cwd=REPO, timeout_s=args.timeout)
   result = {"command": cmd_str(cmd), "log": str(log.relative_to(REPO)), "rc": rc, "wall_s": wall,
             "peak_rss_bytes": rss}
@@ -375,7 +392,8 @@ def main() -> int:
   parser.add_argument("--config", default=None, help=f"meshtrain config (default {TARGET_CONFIG} when it exists, "
                       f"else {FALLBACK_CONFIG} with overrides to the same shape)")
   parser.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
-  parser.add_argument("--no-train", action="store_true", help="skip meshtrain.train (its loss curve)")
+  parser.add_argument("--train", action="store_true", help="also run meshtrain.train for a loss curve on fresh "
+                      "random batches (not comparable with MaxText's one repeated batch)")
   args, extra = parser.parse_known_args()
   if any(not e.startswith("--config.") for e in extra):
     parser.error(f"unrecognized arguments: {' '.join(e for e in extra if not e.startswith('--config.'))}")
@@ -392,21 +410,22 @@ def main() -> int:
     config, overrides = FALLBACK_CONFIG, FALLBACK_OVERRIDES + list(extra)
     print(f"note: {TARGET_CONFIG} does not exist yet; using {FALLBACK_CONFIG} with overrides to the same shape")
 
-  layouts, cfgs = {}, {}
+  layouts, cfgs, batches = {}, {}, {}
   for n in args.devices:
     cfg = load_meshtrain_config(config, overrides + [f"--config.cpu_devices={n}"])
-    extra_layout = fallback_layout(cfg, n)
-    layouts[n] = overrides + (extra_layout or [])
+    layout = fallback_layout(cfg, n)
+    layouts[n] = overrides + layout
     cfgs[n] = cfg
-    if extra_layout:
-      print(f"note: meshtrain cannot split batch {cfg.batch_size} over {n} FSDP devices; "
-            f"its {n}-device runs use {' '.join(extra_layout)} (MaxText keeps FSDP={n})")
+    batches[n] = maxtext_batch(cfg, n)
+    if "--config.mesh.sequence=1" not in layout:
+      print(f"note: a batch of {cfg.batch_size} cannot be split over {n} devices; meshtrain runs "
+            f"{' '.join(layout)} (MaxText keeps FSDP={n}, loads {n} rows and trains on {cfg.batch_size})")
   vocab = cfgs[args.devices[0]].model.vocab_size
 
   started = datetime.datetime.now().isoformat(timespec="seconds")
   load_at_start = os.getloadavg()
   runs = {n: {"maxtext": [], "meshtrain": [],
-              "meshtrain_layout": "fsdp" if layouts[n] == overrides else " ".join(layouts[n][len(overrides):])}
+              "meshtrain_layout": " ".join(layouts[n][len(overrides):])}
           for n in args.devices}
   for rnd in range(args.rounds):
     for n in args.devices:
@@ -417,12 +436,12 @@ def main() -> int:
         if system == "maxtext":
           r = run_maxtext(cfgs[n], n, args, f"r{rnd + 1}")
         else:
-          r = run_meshtrain_bench(meshtrain_args(config, layouts[n], n), n, args, f"r{rnd + 1}")
+          r = run_meshtrain_bench(meshtrain_args(config, layouts[n], n), n, args, f"r{rnd + 1}", batches[n])
         runs[n][system].append(r)
         print(f"{r['tokens_per_sec']:,.0f} tokens/s ({r['wall_s']:.0f}s)" if "tokens_per_sec" in r
               else f"FAILED: {r['error'].splitlines()[0]}", flush=True)
   train_runs = {}
-  if not args.no_train:
+  if args.train:
     for n in args.devices:
       print(f"[losses] {n} device(s): meshtrain.train ...", end=" ", flush=True)
       train_runs[n] = run_meshtrain_train(meshtrain_args(config, layouts[n], n), n, args)

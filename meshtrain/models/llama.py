@@ -49,6 +49,8 @@ class ModelConfig:
   router_z_loss_weight: float = 1e-3
   pipeline_stages: int = 1         # set from mesh.stage: layers split into this many consecutive stages
   pipeline_microbatches: int = 1
+  pipeline_schedule: str = "gpipe"
+  pipeline_repeats: int = 1
 
   @classmethod
   def from_config(cls, model_cfg) -> "ModelConfig":
@@ -178,7 +180,8 @@ class Transformer(nn.Module):
       # Under scan, CSE across iterations cannot undo the remat, so its prevention (which costs speed) is off.
       block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
     if c.pipeline_stages > 1:
-      x_BLD = pipeline.Pipeline(block, c, name="layers")(x_BLD, pos_L)
+      x_BLD = pipeline.Pipeline(block, c, schedule=c.pipeline_schedule, num_repeats=c.pipeline_repeats,
+                                name="layers")(x_BLD, pos_L)
     elif c.scan_layers:
       # One block compiled once and iterated: compile time and HLO size independent of depth. MoE auxiliary
       # values ("moe" collection) get a leading layer axis like the parameters.
