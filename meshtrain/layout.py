@@ -105,7 +105,7 @@ class Layout:
 
 def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
   """Checks the layout from shapes alone, then derives every sharding of the train state."""
-  rules = sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel)
+  rules = sharding.for_mesh(sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel), mesh)
   stages, shards = mesh.shape["stage"], mesh.shape["sequence"]
   p = cfg.pipeline
   repeats = p.repeats if stages > 1 else 1
@@ -118,6 +118,13 @@ def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
   if stages > 1 and cfg.model.num_experts:
     raise UserError("pipeline stages (mesh.stage > 1) with a mixture-of-experts model are not supported: the "
                     "router's auxiliary loss is not carried through the pipeline; use mesh.stage=1")
+  if shards > 1 and cfg.model.num_experts and cfg.sharding.causal_load_balance:
+    raise UserError("a mixture-of-experts model under context parallelism (mesh.sequence > 1) needs "
+                    "--config.sharding.causal_load_balance=false: expert capacity is given out in token order, so "
+                    "the zigzag order would drop different tokens than one device does")
+  if stages > 1 and shards > 1:
+    raise UserError("pipeline stages (mesh.stage > 1) with context parallelism (mesh.sequence > 1) are not "
+                    "supported: ring attention's shard_map cannot run inside the pipeline's stage vmap; use one of them")
   if stages > 1 and p.schedule == "circular" and p.microbatches < stages:
     raise UserError(f"the circular schedule needs pipeline.microbatches >= mesh.stage ({p.microbatches} < {stages})")
   sharding.check_mesh_uses_rules(mesh, rules, has_experts=cfg.model.num_experts > 0, pipelined=stages > 1)

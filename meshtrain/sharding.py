@@ -67,6 +67,14 @@ def rules_for(preset: str, sequence_parallel: bool = False) -> Rules:
   return (*rules.items(), ("act_batch", tuple(a for a in BATCH_AXES if a != "expert")))
 
 
+def for_mesh(rules: Rules, mesh: Mesh) -> Rules:
+  """The rules without the mesh axes of size 1: they split nothing, and specs and tables stay readable."""
+  def keep(value):
+    axes = tuple(a for a in _mesh_axes(value) if mesh.shape.get(a, 1) > 1)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return tuple((name, keep(value)) for name, value in rules)
+
+
 def check_mesh_uses_rules(mesh: Mesh, rules: Rules, has_experts: bool = False, pipelined: bool = False) -> None:
   """Rejects, before compiling, a mesh axis (>1) that would silently do nothing useful.
 

@@ -100,8 +100,9 @@ def test_one_device_matches_scanned_stack(reference, stages, micro, repeats):
   assert_matches(got, want, stages, repeats)
 
 
-@pytest.mark.parametrize("mesh_shape,rules,repeats", [((2, 4, 1), "dp", 1), ((4, 1, 2), "fsdp", 1),
-                                                      ((2, 2, 2), "fsdp", 2)])
+# The other stage layouts (stage=4 x fsdp=2, circular on stage x fsdp x tensor) are trained end to end against
+# one device in test_numerics.py; this one also pins the collectives.
+@pytest.mark.parametrize("mesh_shape,rules,repeats", [((2, 4, 1), "dp", 1)])
 def test_stage_mesh_matches_scanned_stack(reference, mesh_shape, rules, repeats):
   x_BLD, params, want = reference
   stages, rules = mesh_shape[0], RULES[rules]

@@ -73,13 +73,15 @@ def test_resume_is_bitwise_identical(uninterrupted, tmp_path):
 def test_restore_onto_another_mesh_then_continue(uninterrupted, tmp_path):
   shutil.copytree(uninterrupted, tmp_path / "run")
   shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
-  # Same command, another layout: 8 -> fsdp=4 x tensor=2.
-  run(tmp_path / "run", "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2")
+  # Same command, another layout: data=8 -> pipeline stages x FSDP x tensor; its step-6 checkpoint is then
+  # restored onto one device below.
+  run(tmp_path / "run", "--config.mesh.data=1", "--config.mesh.stage=2", "--config.mesh.fsdp=2",
+      "--config.mesh.tensor=2")
   full, moved = records(uninterrupted), records(tmp_path / "run")
   for a, b in zip(full, moved):
     for key in ("loss", "eval_loss"):
       if key in a:  # other reduction order after the move: float32 rounding only
-        np.testing.assert_allclose(b[key], a[key], rtol=1e-5)
+        np.testing.assert_allclose(b[key], a[key], rtol=2e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), saved_params(tmp_path / "run", 6),
                saved_params(uninterrupted, 6))
 
