@@ -2,10 +2,17 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Tests compile many small programs and run each a few times: LLVM's expensive passes cost more time than they
-# save (~15% of the suite). Numerics still follow XLA's HLO, so the tolerances and bitwise checks are unchanged.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
+# In-process tests compile many small programs and run each a few times: LLVM's expensive passes cost more than
+# they save (the flags are read once, when the backend starts below). Subprocesses (the train command run for
+# tens of steps) get the environment back unchanged, with optimised code. Numerics follow XLA's HLO either way.
+_saved = os.environ.get("XLA_FLAGS")
+os.environ["XLA_FLAGS"] = " ".join(filter(None, (_saved, "--xla_backend_optimization_level=0",
                                                  "--xla_llvm_disable_expensive_passes=true")))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.devices()  # start the CPU backend now, with the flags above
+if _saved is None:
+  del os.environ["XLA_FLAGS"]
+else:
+  os.environ["XLA_FLAGS"] = _saved
