@@ -38,7 +38,7 @@ LAYOUTS = {
     "stage=2 x fsdp=2 x tensor=2 (circular)": ({"stage": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp",
                                                {"pipeline.schedule": "circular", "pipeline.repeats": 2}),
 }
-COLLECTIVE = re.compile(r"= \S+ (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start)?\(")
+COLLECTIVE = re.compile(r"= (?:\([^)]*\)|\S+) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start)?\(")
 
 
 def make_config(mesh_sizes, rules, overrides, steps):

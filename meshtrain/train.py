@@ -8,6 +8,7 @@ process count the new command has. Exit codes: 0 done or preempted (checkpoint s
 not be written), 4 hang watchdog.
 """
 import argparse
+import collections
 import functools
 import json
 import math
@@ -131,6 +132,9 @@ def train(cfg, workdir: pathlib.Path) -> dict:
   watchdog = Watchdog(cfg.watchdog_s, workdir, jax.process_index())
   profiler = StepProfiler(cfg.profile_steps, workdir, enabled=is_main)
   pending = None                                  # (step, metrics on device) to fetch after the next dispatch
+  # The host runs at most two steps ahead of the devices: enough to keep them fed, and it bounds the queue (on
+  # the CPU backend an unbounded queue of steps with collectives can starve its thread pool into a deadlock).
+  in_flight = collections.deque()
   # `excluded` (eval, checkpoints, profiling) is kept out of step times; `loop` times the steps after the first.
   clock = {"t": time.perf_counter(), "step": start, "excluded": 0.0, "loop_t": None, "loop_excluded": 0.0}
   timing = {"compile_s": compile_s}
@@ -163,6 +167,9 @@ def train(cfg, workdir: pathlib.Path) -> dict:
       watchdog.beat(done, "dispatching the step")
       profiler.before(done)
       state, metrics = train_fn(state, batch)
+      in_flight.append(metrics["loss"])
+      if len(in_flight) > 2:
+        in_flight.popleft().block_until_ready()
       if preemption.reached(done):
         if pending:
           emit(*pending)

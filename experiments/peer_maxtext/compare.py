@@ -1,4 +1,4 @@
-"""/work/main/.venv/bin/python experiments/peer_maxtext/compare.py [--devices 1 2 8] [--steps 30] [--warmup 3] [--rounds 2]
+""".venv/bin/python experiments/peer_maxtext/compare.py [--devices 1 2 8] [--steps 30] [--warmup 3] [--rounds 2]
 
 Peer benchmark: meshtrain vs MaxText training the same model shape (configs/maxtext_tiny.py) on N simulated CPU
 devices, on the same data: MaxText's synthetic batch (one fixed random batch, repeated), which this script
