@@ -65,6 +65,11 @@ def train(cfg, workdir: pathlib.Path) -> dict:
   layout = layout_lib.build(cfg, mesh, data.PAD_ID)
   log(f"mesh: {mesh_lib.describe(mesh)}; sharding rules: {cfg.sharding.rules}")
   log(sharding.format_table(layout.table))
+  if (stages := mesh.shape["stage"]) > 1:
+    from meshtrain.parallel.pipeline import bubble_fraction
+    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+    log(f"pipeline: {stages} stages, {cfg.pipeline.microbatches} micro-batches, {cfg.pipeline.schedule} schedule; "
+        f"bubble {bubble_fraction(stages, cfg.pipeline.microbatches, repeats):.1%} of each step idle")
   train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)

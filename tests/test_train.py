@@ -70,13 +70,14 @@ def test_resume_is_bitwise_identical(uninterrupted, tmp_path):
                saved_params(uninterrupted, 6))
 
 
-def test_restore_onto_another_mesh_then_continue(uninterrupted, tmp_path):
+def test_restore_onto_another_mesh_then_continue(uninterrupted, tmp_path, capsys):
   shutil.copytree(uninterrupted, tmp_path / "run")
   shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
   # Same command, another layout: data=8 -> pipeline stages x FSDP x tensor; its step-6 checkpoint is then
   # restored onto one device below.
   run(tmp_path / "run", "--config.mesh.data=1", "--config.mesh.stage=2", "--config.mesh.fsdp=2",
       "--config.mesh.tensor=2")
+  assert "pipeline: 2 stages, 4 micro-batches, gpipe schedule; bubble 20.0% of each step idle" in capsys.readouterr().out
   full, moved = records(uninterrupted), records(tmp_path / "run")
   for a, b in zip(full, moved):
     for key in ("loss", "eval_loss"):
