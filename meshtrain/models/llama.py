@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.models.moe import MoEConfig, MoEMLP
+from meshtrain.models.params import param
 from meshtrain.parallel import context, pipeline
 
 REMAT_POLICIES = {
@@ -74,17 +75,12 @@ def context_axis() -> str | None:
   return split[0] if split else None
 
 
-def _param(module, name, shape, logical, std, dtype):
-  init = nn.initializers.normal(std) if std else nn.initializers.ones
-  return module.param(name, nn.with_logical_partitioning(init, logical), shape, jnp.dtype(dtype))
-
-
 class RMSNorm(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x_BLD):
-    scale_D = _param(self, "scale", (x_BLD.shape[-1],), ("norm",), None, self.cfg.param_dtype)
+    scale_D = param(self, "scale", (x_BLD.shape[-1],), ("norm",), None, self.cfg.param_dtype)
     x = x_BLD.astype(jnp.float32)  # the mean of squares is taken in float32 whatever the compute dtype
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
     return (x * scale_D).astype(self.cfg.dtype)
@@ -108,10 +104,10 @@ class Attention(nn.Module):
     c = self.cfg
     D, H, K, E = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)  # residual branches summed N times: keep their sum O(1)
-    w_q = _param(self, "q", (D, H, E), ("embed", "heads", "head_dim"), c.init_std, c.param_dtype)
-    w_k = _param(self, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
-    w_v = _param(self, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
-    w_o = _param(self, "o", (H, E, D), ("heads", "head_dim", "embed"), out_std, c.param_dtype)
+    w_q = param(self, "q", (D, H, E), ("embed", "heads", "head_dim"), c.init_std, c.param_dtype)
+    w_k = param(self, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
+    w_v = param(self, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
+    w_o = param(self, "o", (H, E, D), ("heads", "head_dim", "embed"), out_std, c.param_dtype)
     q_BLHE = jnp.einsum("BLD,DHE->BLHE", x_BLD, w_q.astype(c.dtype))
     k_BLKE = jnp.einsum("BLD,DKE->BLKE", x_BLD, w_k.astype(c.dtype))
     v_BLKE = jnp.einsum("BLD,DKE->BLKE", x_BLD, w_v.astype(c.dtype))
@@ -138,9 +134,9 @@ class MLP(nn.Module):
   def __call__(self, x_BLD):
     c = self.cfg
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
-    w_gate = _param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype)
-    w_up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype)
-    w_down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), out_std, c.param_dtype)
+    w_gate = param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype)
+    w_up = param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype)
+    w_down = param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), out_std, c.param_dtype)
     gate_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, w_gate.astype(c.dtype))
     up_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, w_up.astype(c.dtype))
     h_BLF = nn.with_logical_constraint(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_len", "act_mlp"))
@@ -172,7 +168,7 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BL, pos_L=None):
     c = self.cfg
     pos_L = jnp.arange(tokens_BL.shape[1]) if pos_L is None else pos_L
-    embed_VD = _param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype)
+    embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.dtype)
     x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_res_len", "act_embed"))
     block = Block
@@ -195,6 +191,6 @@ class Transformer(nn.Module):
     if c.tie_embeddings:
       logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, embed_VD.astype(c.dtype))
     else:
-      head_DV = _param(self, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+      head_DV = param(self, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
       logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, head_DV.astype(c.dtype))
     return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))

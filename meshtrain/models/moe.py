@@ -37,6 +37,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from meshtrain.models.params import param
+
 AUX_NAMES = ("load_balance_loss", "router_z_loss", "dropped_fraction", "aux_loss")
 
 
@@ -117,12 +119,6 @@ def collect(moe_vars) -> dict[str, jax.Array]:
   return out
 
 
-def _param(module, name, shape, logical, std, dtype):
-  # llama._param's twin; not imported so that llama.py can import this module without a cycle.
-  return module.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), logical), shape,
-                      jnp.dtype(dtype))
-
-
 class MoEMLP(nn.Module):
   """cfg: a llama.ModelConfig (d_model, mlp_dim = per-expert width, dtype, param_dtype, init_std, num_layers)."""
   cfg: Any
@@ -136,10 +132,10 @@ class MoEMLP(nn.Module):
     C = capacity(m, S)
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
     # The router's expert axis is never split (None): every token needs all X logits, and D x X is tiny.
-    w_router = _param(self, "router", (D, X), ("embed", None), c.init_std, c.param_dtype)
-    w_gate = _param(self, "gate", (X, D, F), ("expert", "embed", "mlp"), c.init_std, c.param_dtype)
-    w_up = _param(self, "up", (X, D, F), ("expert", "embed", "mlp"), c.init_std, c.param_dtype)
-    w_down = _param(self, "down", (X, F, D), ("expert", "mlp", "embed"), out_std, c.param_dtype)
+    w_router = param(self, "router", (D, X), ("embed", None), c.init_std, c.param_dtype)
+    w_gate = param(self, "gate", (X, D, F), ("expert", "embed", "mlp"), c.init_std, c.param_dtype)
+    w_up = param(self, "up", (X, D, F), ("expert", "embed", "mlp"), c.init_std, c.param_dtype)
+    w_down = param(self, "down", (X, F, D), ("expert", "mlp", "embed"), out_std, c.param_dtype)
 
     x_GSD = nn.with_logical_constraint(x_BLD.astype(c.dtype), ("act_batch", "act_len", "act_embed"))
     logits_GSX = jnp.einsum("GSD,DX->GSX", x_GSD.astype(jnp.float32), w_router.astype(jnp.float32))
