@@ -52,6 +52,18 @@ def _mesh_axes(value) -> tuple[str, ...]:
   return (value,) if isinstance(value, str) else tuple(value or ())
 
 
+def active_mesh_axes(logical: str) -> tuple[str, ...]:
+  """The axes of the active mesh (size > 1) that the active rules map `logical` to; () outside a mesh context.
+
+  For model code that must act differently when a dimension is split (ring attention over a split sequence,
+  a pipeline's stage dimension) without naming a mesh axis itself."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  axes = _mesh_axes(nn.logical_to_mesh_axes((logical,))[0])
+  return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
 def rules_for(preset: str, sequence_parallel: bool = False) -> Rules:
   if preset not in PRESETS:
     raise UserError(f"sharding.rules={preset!r} is not a preset; choose one of {', '.join(PRESETS)}")

@@ -17,12 +17,12 @@ def quickstart_train_command() -> list[str]:
 def test_quickstart_trains(tmp_path):
   argv = quickstart_train_command()
   argv[argv.index("--workdir") + 1] = str(tmp_path / "run")
-  proc = subprocess.run([sys.executable, *argv[1:], "--config.steps=20", "--config.eval_every=20",
-                         "--config.log_every=5"], capture_output=True, text=True, timeout=600,
+  proc = subprocess.run([sys.executable, *argv[1:], "--config.steps=8", "--config.eval_every=8",
+                         "--config.log_every=4"], capture_output=True, text=True, timeout=600,
                         cwd=pathlib.Path(__file__).parents[1])
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "train step compiled" in proc.stdout and "done: step 20" in proc.stdout
-  assert (tmp_path / "run" / "checkpoints" / "20").is_dir() and (tmp_path / "run" / "loss.png").exists()
+  assert "train step compiled" in proc.stdout and "done: step 8" in proc.stdout
+  assert (tmp_path / "run" / "checkpoints" / "8").is_dir() and (tmp_path / "run" / "loss.png").exists()
 
 
 def test_test_command_is_what_ci_runs():

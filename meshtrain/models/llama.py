@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from meshtrain import sharding
 from meshtrain.models.moe import MoEConfig, MoEMLP
 from meshtrain.models.params import param
 from meshtrain.parallel import context, pipeline
@@ -66,13 +67,8 @@ def moe_config(c: ModelConfig) -> MoEConfig:
 
 def context_axis() -> str | None:
   """The mesh axis splitting the activations' sequence (`act_len`) under the active rules and mesh, if any."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return None
-  axes = nn.logical_to_mesh_axes(("act_len",))[0]
-  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-  split = [a for a in axes if mesh.shape[a] > 1]
-  return split[0] if split else None
+  axes = sharding.active_mesh_axes("act_len")
+  return axes[0] if axes else None
 
 
 class RMSNorm(nn.Module):

@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from meshtrain import sharding
 from meshtrain.errors import UserError
 
 SCHEDULES = ("gpipe", "circular")
@@ -54,17 +55,6 @@ def to_pipeline_params(stack_params, num_stages: int, num_repeats: int = 1):
 def from_pipeline_params(pipe_params, num_stages: int, num_repeats: int = 1):
   """Unboxed pipeline parameters (or their gradients) -> the scanned-stack layer order."""
   return jax.tree.map(lambda a: _circular_order(a, num_stages, num_repeats, inverse=True), pipe_params)
-
-
-def _stage_mesh_axes():
-  """The mesh axes that the active rules give "act_stage", when the active mesh has them; else None.
-
-  Passed to vmap as spmd_axis_name so the constraints inside the block keep the stage dimension on its axis
-  (without it vmap leaves that dimension unconstrained for the partitioner to guess)."""
-  axes = nn.logical_to_mesh_axes(("act_stage",))[0]
-  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-  mesh_axes = jax.sharding.get_abstract_mesh().axis_names
-  return axes if axes and all(a in mesh_axes for a in axes) else None
 
 
 class Pipeline(nn.Module):
@@ -140,7 +130,9 @@ class Pipeline(nn.Module):
 
     layers = self._layers(P)
     run_layers = lambda w_, x_bLD: layers(c, parent=None).apply({"params": w_}, x_bLD, extra)[0]
-    run_stages = jax.vmap(run_layers, spmd_axis_name=_stage_mesh_axes())
+    # spmd_axis_name keeps the stage dimension of the constraints inside the block on its mesh axes (without
+    # it vmap leaves that dimension unconstrained for the partitioner to guess).
+    run_stages = jax.vmap(run_layers, spmd_axis_name=sharding.active_mesh_axes("act_stage") or None)
     buffer_names = ("act_stage", "act_batch", "act_res_len", "act_embed")
     stage_S = jnp.arange(S)
     # Per-stage copies of the microbatch store: stage 0 reads its inputs there and the pipe's outputs are written
