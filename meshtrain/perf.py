@@ -3,14 +3,28 @@
 Both report MFU from the same three numbers (model FLOPs per token, tokens per second, peak FLOP/s per device),
 so a number in metrics.jsonl and one printed by `python -m meshtrain.bench` mean the same thing.
 """
+import dataclasses
 import time
 
-# Dense peak FLOP/s per device (vendor datasheets, SXM parts, no sparsity).
-GPU_PEAKS = {
-    "h100": {"bfloat16": 989.4e12, "float32": 66.9e12},
-    "h200": {"bfloat16": 989.4e12, "float32": 66.9e12},
-    "a100": {"bfloat16": 312.0e12, "float32": 19.5e12},
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+  """What the step-time and memory arithmetic needs to know about one accelerator model."""
+  name: str
+  hbm_bytes: float          # memory per device
+  peaks: dict[str, float]   # dense peak FLOP/s per device by compute dtype (datasheet, no sparsity)
+  node_bw: float            # bytes/s per device, one direction, to devices in the same node (NVLink)
+  network_bw: float         # bytes/s per device, one direction, to other nodes (one 400 / 200 Gb/s NIC per GPU)
+
+
+# SXM parts. NVLink: H100/H200 900 GB/s and A100 600 GB/s bidirectional per GPU; networks: NDR (400 Gb/s) and
+# HDR (200 Gb/s) InfiniBand, one NIC per GPU as in DGX/HGX nodes.
+GPUS = {
+    "h100": Gpu("H100 SXM 80GB", 80e9, {"bfloat16": 989.4e12, "float32": 66.9e12}, 450e9, 50e9),
+    "h200": Gpu("H200 SXM 141GB", 141e9, {"bfloat16": 989.4e12, "float32": 66.9e12}, 450e9, 50e9),
+    "a100": Gpu("A100 SXM 80GB", 80e9, {"bfloat16": 312.0e12, "float32": 19.5e12}, 300e9, 25e9),
 }
+GPU_PEAKS = {name: gpu.peaks for name, gpu in GPUS.items()}
 
 
 def model_flops_per_token(model_cfg, seq_len: int, matmul_params: float) -> float:

@@ -1,0 +1,278 @@
+"""Pick the layout for a cluster: every valid way to split a model over it, ranked by predicted step time.
+
+  python -m meshtrain.plan --config configs/llama8b.py --devices 64 --gpu h100 --nodes 8 [--json]
+
+Enumerates data, fsdp, tensor, sequence, expert and stage sizes, the rematerialization policy, gradient
+accumulation and pipeline micro-batches; estimates each layout's memory and step time from shapes alone
+(meshtrain/estimate.py: FLOPs at the GPU's peak plus each collective's bytes over NVLink inside a node or the
+network across nodes); drops layouts that do not fit; prints the ranked table and the config overrides of the
+winner. `--verify K` then compiles the best K layouts for simulated devices (as `python -m meshtrain.inspect`
+does; results cached on disk) and prints compiled next to predicted memory and collective bytes.
+`--gpu cpu` plans for this machine's simulated devices, with peak FLOP/s and collective bandwidth measured here.
+"""
+import argparse
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import pathlib
+import sys
+
+from meshtrain import config as config_lib, perf
+from meshtrain.errors import UserError
+
+GB = 1e9
+REMATS = ("none", "save_dots", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  sizes: tuple[tuple[str, int], ...]   # every mesh axis and its total size
+  across: tuple[tuple[str, int], ...]  # how many nodes each axis spans
+  remat: str
+  grad_accum: int
+  microbatches: int
+
+  @property
+  def rules(self) -> str:
+    s = dict(self.sizes)
+    return {(True, True): "fsdp_tp", (True, False): "fsdp", (False, True): "tp", (False, False): "dp"}[
+        (s["fsdp"] > 1, s["tensor"] > 1)]
+
+  def name(self) -> str:
+    return " x ".join(f"{a}={n}" for a, n in self.sizes if n > 1) or "data=1"
+
+  def overrides(self, one_process: bool = False) -> list[str]:
+    """The config overrides that train with this layout (`one_process`: all devices simulated in one process)."""
+    across = {a: 1 for a, _ in self.across} if one_process else dict(self.across)
+    out = [f"--config.mesh.{a}={n // across[a]}" for a, n in self.sizes]
+    out += [f"--config.mesh.nodes.{a}={n}" for a, n in across.items() if n > 1]
+    out += [f"--config.sharding.rules={self.rules}", f"--config.model.remat={self.remat}",
+            f"--config.optimizer.grad_accum_steps={self.grad_accum}"]
+    if dict(self.sizes)["stage"] > 1:
+      out.append(f"--config.pipeline.microbatches={self.microbatches}")
+    return out
+
+  def apply(self, cfg, one_process: bool = False):
+    cfg = cfg.copy_and_resolve_references()
+    for item in self.overrides(one_process):
+      config_lib.apply_override(cfg, item)
+    return cfg
+
+
+def _factorizations(n: int, parts: int):
+  """Every ordered tuple of `parts` positive integers whose product is n."""
+  if parts == 1:
+    yield (n,)
+    return
+  for d in range(1, n + 1):
+    if n % d == 0:
+      for rest in _factorizations(n // d, parts - 1):
+        yield (d, *rest)
+
+
+def _nodes_split(sizes: dict, nodes: int) -> dict | None:
+  """Which axes cross nodes: the light ones (data, then fsdp, then stage) take the node count; None if they cannot."""
+  across, left = {a: 1 for a in sizes}, nodes
+  for axis in ("data", "fsdp", "stage"):
+    f = math.gcd(sizes[axis], left)
+    across[axis], left = f, left // f
+  return across if left == 1 else None
+
+
+def layouts(cfg, devices: int, nodes: int):
+  """Every layout worth estimating for this model on `devices` devices in `nodes` nodes."""
+  from meshtrain import mesh as mesh_lib
+  m = cfg.model
+  per_node = devices // nodes
+  axes = [a for a in mesh_lib.AXES if a != "expert" or m.num_experts]
+  for combo in _factorizations(devices, len(axes)):
+    sizes = {a: 1 for a in mesh_lib.AXES} | dict(zip(axes, combo))
+    stage, seq, tensor = sizes["stage"], sizes["sequence"], sizes["tensor"]
+    if sizes["tensor"] * sizes["sequence"] * sizes["expert"] > per_node:
+      continue                                    # per-layer collectives stay on the fast links
+    if m.num_heads % tensor or m.mlp_dim % tensor or m.num_layers % stage or cfg.seq_len % (2 * seq):
+      continue
+    if stage > 1 and (seq > 1 or m.num_experts):
+      continue                                    # combinations meshtrain rejects (see layout.build)
+    across = _nodes_split(sizes, nodes)
+    if across is None:
+      continue
+    batch_ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    for remat in REMATS:
+      for accum in (1, 2, 4, 8, 16, 32):
+        if cfg.batch_size % (accum * batch_ways):
+          break
+        micro_options = [1] if stage == 1 else [k * stage for k in (1, 2, 4, 8)]
+        for micro in micro_options:
+          if cfg.batch_size % (accum * batch_ways * micro):
+            continue
+          yield Layout(tuple(sizes.items()), tuple(across.items()), remat, accum, micro)
+
+
+@dataclasses.dataclass
+class Row:
+  layout: Layout
+  estimate: object   # estimate.Estimate
+  time: object       # estimate.StepTime
+  tokens_per_sec_per_device: float
+  mfu: float
+
+  def to_json(self) -> dict:
+    e, t = self.estimate, self.time
+    return {"layout": self.layout.name(), "overrides": self.layout.overrides(), "remat": self.layout.remat,
+            "grad_accum_steps": self.layout.grad_accum, "microbatches": self.layout.microbatches,
+            "across_nodes": {a: n for a, n in self.layout.across if n > 1},
+            "memory_bytes_per_device": e.total_bytes_per_device, "params_bytes_per_device": e.params_bytes_per_device,
+            "optimizer_bytes_per_device": e.optimizer_bytes_per_device,
+            "gradient_bytes_per_device": e.gradient_bytes_per_device,
+            "activation_bytes_per_device": e.activation_bytes_per_device,
+            "step_time_s": t.total_s, "compute_s": t.compute_s, "overlapped_comm_s": t.overlapped_s,
+            "exposed_comm_s": t.exposed_s, "network_s": t.network_s, "mfu": self.mfu,
+            "tokens_per_sec_per_device": self.tokens_per_sec_per_device}
+
+
+def hardware(name: str, mesh, dtype: str) -> perf.Gpu:
+  """A GPU from the table, or ("cpu") this machine's simulated devices measured now."""
+  if name != "cpu":
+    return perf.GPUS[name]
+  peak = perf.measure_cpu_peak(mesh, dtype)
+  bw = measure_cpu_allreduce_bw(mesh)
+  return perf.Gpu("simulated CPU devices (measured)", 1e15, {dtype: peak}, bw, bw)
+
+
+def measure_cpu_allreduce_bw(mesh, size: int = 1 << 22, repeats: int = 5) -> float:
+  """Bytes/s per device an all-reduce over every simulated device moves (ring-equivalent), measured here."""
+  import time
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  n = mesh.size
+  x = jax.jit(lambda: jnp.ones((n, size // 4), jnp.float32), out_shardings=NamedSharding(mesh, P(mesh.axis_names)))()
+  f = jax.jit(lambda a: jnp.broadcast_to(a.sum(0), a.shape), out_shardings=NamedSharding(mesh, P(mesh.axis_names)))
+  f(x).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(x).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * (n - 1) / n * size / best
+
+
+def rank(cfg, devices: int, nodes: int, hw: perf.Gpu, hbm: float, fused_attention: bool,
+         overlap: bool = True) -> tuple[list[Row], int]:
+  """(every fitting layout best first, how many layouts were estimated)."""
+  from meshtrain import estimate
+  boxed = estimate.abstract_params(cfg)
+  peak = hw.peaks[cfg.model.dtype]
+  rows, seen = [], 0
+  for lay in layouts(cfg, devices, nodes):
+    seen += 1
+    c = lay.apply(cfg)
+    try:
+      est = estimate.estimate(c, dict(lay.sizes), boxed, fused_attention=fused_attention)
+    except UserError:
+      continue  # a dimension that does not split evenly
+    if est.total_bytes_per_device > hbm:
+      continue
+    t = estimate.step_time(est, est.collectives, peak, hw.node_bw, hw.network_bw, dict(lay.across), overlap)
+    tokens = cfg.batch_size * cfg.seq_len / devices / t.total_s
+    rows.append(Row(lay, est, t, tokens, est.model_flops_per_step / t.total_s / peak))
+  rows.sort(key=lambda r: (r.time.total_s, r.estimate.flops_per_step, r.estimate.total_bytes_per_device))
+  return rows, seen
+
+
+def verify(cfg, row: Row, cache_dir: pathlib.Path) -> dict:
+  """Compiles the layout for simulated devices (cached by config) and returns inspect's JSON report."""
+  from meshtrain import inspect
+  c = row.layout.apply(cfg, one_process=True)
+  key = hashlib.sha256(json.dumps(c.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:20]
+  path = cache_dir / f"{key}.json"
+  if path.exists():
+    return json.loads(path.read_text())
+  report = inspect.inspect(c).to_json(hbm_bytes=0)
+  cache_dir.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(report))
+  return report
+
+
+def format_rows(rows: list[Row], top: int) -> str:
+  head = ("#", "layout", "nodes", "remat", "accum", "micro", "GB/dev", "compute s", "dp/fsdp s", "exposed s",
+          "network s", "step s", "MFU", "tok/s/dev")
+  lines = [head]
+  for i, r in enumerate(rows[:top], 1):
+    t, lay = r.time, r.layout
+    across = ",".join(f"{a}={n}" for a, n in lay.across if n > 1) or "-"
+    lines.append((str(i), lay.name(), across, lay.remat, str(lay.grad_accum), str(lay.microbatches),
+                  f"{r.estimate.total_bytes_per_device / GB:.1f}", f"{t.compute_s:.3f}", f"{t.overlapped_s:.3f}",
+                  f"{t.exposed_s:.3f}", f"{t.network_s:.3f}", f"{t.total_s:.3f}", f"{r.mfu:.1%}", f"{r.tokens_per_sec_per_device:,.0f}"))
+  widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+  return "\n".join("  ".join(c.ljust(w) if i in (1, 2, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                   for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--devices", type=int, required=True, help="devices in the cluster")
+  parser.add_argument("--gpu", required=True, choices=[*perf.GPUS, "cpu"])
+  parser.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over (equal shares)")
+  parser.add_argument("--hbm", type=float, default=0, metavar="GB", help="memory per device (default: the GPU's)")
+  parser.add_argument("--node-bw", type=float, default=0, metavar="GB/s", help="per-device bandwidth inside a node")
+  parser.add_argument("--network-bw", type=float, default=0, metavar="GB/s", help="per-device bandwidth across nodes")
+  parser.add_argument("--top", type=int, default=10, help="rows to print")
+  parser.add_argument("--no-overlap", action="store_true",
+                      help="rank by compute + every collective in sequence (an upper bound) instead of overlapping "
+                           "data/fsdp traffic with compute")
+  parser.add_argument("--verify", type=int, default=0, metavar="K", help="compile the best K layouts to check them")
+  parser.add_argument("--cache", default="~/.cache/meshtrain/inspect", help="where compiled reports are kept")
+  parser.add_argument("--json", action="store_true")
+  try:
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.devices < 1 or args.nodes < 1 or args.devices % args.nodes:
+      raise UserError(f"--devices {args.devices} must be a positive multiple of --nodes {args.nodes}")
+    cfg = config_lib.load(args.config, [*overrides, f"--config.cpu_devices={args.devices}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"  # shapes and simulated devices only, whatever this machine has
+    from meshtrain import runtime
+    runtime.start(cfg)
+    from meshtrain import mesh as mesh_lib
+    hw = hardware(args.gpu, mesh_lib.make_mesh({"data": -1}), cfg.model.dtype)
+    hw = dataclasses.replace(hw, node_bw=args.node_bw * GB or hw.node_bw, network_bw=args.network_bw * GB or hw.network_bw)
+    hbm = args.hbm * GB or hw.hbm_bytes
+    # GPUs run attention as one fused kernel (no [L, L] scores kept) in bf16; XLA on the CPU materialises them.
+    fused = args.gpu != "cpu" and cfg.model.dtype == "bfloat16" and cfg.model.attention in ("auto", "cudnn")
+    rows, seen = rank(cfg, args.devices, args.nodes, hw, hbm, fused, overlap=not args.no_overlap)
+    if not rows:
+      raise UserError(f"none of the {seen} layouts of this model fits in {hbm / GB:g} GB per device on "
+                      f"{args.devices} devices; use more devices, a smaller batch_size or seq_len")
+    checks = [(row, verify(cfg, row, pathlib.Path(os.path.expanduser(args.cache)))) for row in rows[:args.verify]]
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps({"gpu": hw.name, "devices": args.devices, "nodes": args.nodes, "hbm_bytes": hbm,
+                      "layouts_considered": seen, "fits": len(rows), "ranked": [r.to_json() for r in rows],
+                      "verified": [{"layout": r.layout.name(), "compiled": c} for r, c in checks]}))
+    return 0
+  print(f"{cfg.model.get('preset', 'model')}: {seen} layouts considered on {args.devices} x {hw.name} "
+        f"({args.nodes} node(s), {hbm / GB:g} GB each); {len(rows)} fit. Predicted with kernels at peak, "
+        + ("every collective in sequence:" if args.no_overlap else "data/fsdp traffic hidden behind compute:"))
+  print(format_rows(rows, args.top))
+  print(f"\nbest: {rows[0].layout.name()}\n  python -m meshtrain.train --config {args.config} --workdir RUN "
+        + " ".join(rows[0].layout.overrides()))
+  for row, c in checks:
+    e = row.estimate
+    print(f"\ncompiled for {args.devices} simulated devices: {row.layout.name()} ({row.layout.remat} remat): "
+          f"parameters {c['params_bytes_per_device'] / GB:.3f} GB (predicted {e.params_bytes_per_device / GB:.3f}), "
+          f"optimizer {c['optimizer_bytes_per_device'] / GB:.3f} GB (predicted {e.optimizer_bytes_per_device / GB:.3f}), "
+          f"temporaries {c['temp_bytes_per_device'] / GB:.2f} GB (predicted for XLA's CPU attention "
+          f"{c['expected']['temp_bytes_per_device'] / GB:.2f}); collective bytes "
+          f"{sum(x['bytes'] for x in c['collectives']) / GB:.2f} GB (predicted "
+          f"{sum(x.bytes for x in e.collectives) / GB:.2f})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

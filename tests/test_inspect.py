@@ -1,0 +1,117 @@
+"""`python -m meshtrain.inspect` and `python -m meshtrain.plan`: compiled figures vs hand-derived and analytic ones."""
+import json
+
+import pytest
+
+from meshtrain import config as config_lib, estimate, inspect, perf, plan
+
+TINY = "configs/tiny.py"
+LAYERS = 4  # the tiny preset's depth, used in the hand counts below
+
+
+def compiled(path, *overrides):
+  return inspect.inspect(config_lib.load(path, list(overrides)))
+
+
+@pytest.mark.parametrize("path, overrides", [
+    (TINY, []),
+    # The 1B preset at a short sequence and small batch: parameter shapes do not depend on either.
+    ("configs/llama1b.py", ["--config.mesh.tensor=1", "--config.sharding.rules=fsdp", "--config.batch_size=8",
+                            "--config.seq_len=128", "--config.model.remat=full"]),
+], ids=["tiny", "1b"])
+def test_fsdp_over_8_holds_an_eighth_of_parameters_and_optimizer_state(path, overrides):
+  r = compiled(path, "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.sharding.rules=fsdp", *overrides)
+  assert r.mesh == {"fsdp": 8}
+  total = r.params_bytes_total
+  # Norm scales are not split (they have no `embed` axis): a fraction of a percent of the model.
+  assert r.params_bytes_per_device == pytest.approx(total / 8, rel=0.02)
+  assert r.optimizer_bytes_per_device == pytest.approx(2 * total / 8, rel=0.02)  # AdamW: two moments
+  assert r.params_bytes_per_device == r.expected.params_bytes_per_device
+  # XLA's own argument count: parameters + optimizer state + the batch, nothing replicated by accident.
+  assert r.argument_bytes_per_device == pytest.approx(r.params_bytes_per_device + r.optimizer_bytes_per_device
+                                                      + r.batch_bytes_per_device, abs=4096)
+
+
+# Hand-derived from the program's structure (4 layers; each layer has 7 matrices split by FSDP):
+#   data=8: one combined gradient all-reduce per layer in the backward loop + one for embedding/head/norm/loss;
+#   fsdp=8: each of the 7 weights all-gathered for forward and for backward per layer, plus the head weight and
+#     the token ids for the D-split embedding lookup; gradients reduced per layer + once after the loop + the
+#     loss sums + the global-norm partial sums; the looked-up embeddings re-split by batch and back (all-to-all);
+#   data=2 x tensor=4: per layer 2 forward all-reduces (attention out, MLP down) and 2 backward (Q/K/V and
+#     gate/up input gradients); outside the layers the embedding lookup, the head input gradient, the target
+#     logit, softmax max and sum, the global-norm partial sums (6); the data-axis gradient reduction as above.
+HAND_COUNTS = {
+    "data=8": {("all-reduce", ("data",)): LAYERS + 1},
+    "fsdp=8": {("all-gather", ("fsdp",)): 2 * 7 * LAYERS + 2, ("all-reduce", ("fsdp",)): LAYERS + 3,
+               ("all-to-all", ("fsdp",)): 2},
+    "data=2 x tensor=4": {("all-reduce", ("tensor",)): 4 * LAYERS + 6, ("all-reduce", ("data",)): LAYERS + 1},
+}
+LAYOUTS = {
+    "data=8": ["--config.mesh.data=8"],
+    "fsdp=8": ["--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.sharding.rules=fsdp"],
+    "data=2 x tensor=4": ["--config.mesh.data=2", "--config.mesh.tensor=4", "--config.sharding.rules=tp"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_collective_counts_equal_hand_derived_counts(name):
+  r = compiled(TINY, *LAYOUTS[name])
+  got = {(c.kind, c.axes): c.count for c in r.collectives}
+  assert got == HAND_COUNTS[name]
+  # The analytic model (used by plan) gives the same counts and, to the byte but for a few scalars, the same bytes.
+  expected = {(c.kind, c.axes): c for c in r.expected.collectives}
+  assert {k: c.count for k, c in expected.items()} == HAND_COUNTS[name]
+  for c in r.collectives:
+    assert c.bytes == pytest.approx(expected[(c.kind, c.axes)].bytes, rel=1e-3)
+  # Memory: parameters and optimizer state exact; the total (arguments + temporaries) within 12% (XLA's buffer
+  # reuse is not modelled: measured 1.04-1.10 on these layouts).
+  assert r.optimizer_bytes_per_device == r.expected.optimizer_bytes_per_device
+  assert r.total_bytes_per_device == pytest.approx(r.expected.total_bytes_per_device, rel=0.12)
+  # FLOPs: every dot of the compiled step (loops counted), vs 6N + attention: XLA computes the masked half of
+  # causal attention too, hence a little more.
+  assert 1.0 <= r.flops_per_step / r.expected.flops_per_step < 1.1
+
+
+def test_inspect_json_and_fit_verdict(capsys):
+  assert inspect.main(["--config", TINY, "--devices", "8", "--hbm", "0.04", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  for key in ("params_bytes_per_device", "optimizer_bytes_per_device", "params_bytes_total", "temp_bytes_per_device",
+              "flops_per_step", "collectives"):
+    assert key in out
+  assert out["collectives"] and set(out["collectives"][0]) >= {"kind", "axes", "count", "bytes"}
+  assert out["fits"] is False and out["spare_bytes"] < 0  # the tiny step needs ~50 MB per device: short of 40
+  assert inspect.main(["--config", TINY, "--devices", "8", "--hbm", "1"]) == 0
+  assert "fits with" in capsys.readouterr().out
+
+
+def test_bad_input_is_exit_2_without_traceback(capsys):
+  assert inspect.main(["--config", TINY, "--devices", "-3"]) == 2
+  assert plan.main(["--config", TINY, "--devices", "12", "--nodes", "5", "--gpu", "h100"]) == 2
+  err = capsys.readouterr().err
+  assert "--devices" in err and "Traceback" not in err
+
+
+def _best(path, devices, gpu="h100", *overrides):
+  cfg = config_lib.load(path, list(overrides))
+  hw = perf.GPUS[gpu]
+  rows, seen = plan.rank(cfg, devices, 1, hw, hw.hbm_bytes, fused_attention=cfg.model.dtype == "bfloat16")
+  assert seen > 10 and rows
+  return rows
+
+
+def test_plan_picks_data_parallel_when_the_model_fits_on_one_device():
+  rows = _best(TINY, 8)
+  best = rows[0].layout
+  assert best.name() == "data=8" and best.remat == "none" and best.grad_accum == 1
+  assert "--config.mesh.data=8" in best.overrides()
+
+
+def test_plan_picks_fsdp_when_data_parallel_does_not_fit():
+  # 8B on 8 x 80 GB: parameters + Adam moments + gradients of 8B float32 weights are 128 GB per replica.
+  cfg = config_lib.load("configs/llama8b.py", ["--config.batch_size=256", "--config.seq_len=2048"])
+  whole = estimate.estimate(cfg, {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1},
+                            fused_attention=True)
+  assert whole.params_bytes_per_device + whole.optimizer_bytes_per_device > 80e9
+  rows = _best("configs/llama8b.py", 8, "h100", "--config.batch_size=256", "--config.seq_len=2048")
+  assert all(dict(r.layout.sizes)["data"] < 8 for r in rows)   # pure data parallelism never fits
+  assert dict(rows[0].layout.sizes)["fsdp"] > 1
