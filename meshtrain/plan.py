@@ -264,13 +264,19 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(rows[0].layout.overrides()))
   for row, c in checks:
     e = row.estimate
+    from meshtrain import estimate, hlo
+    measured = [hlo.Collective(x["kind"], tuple(x["axes"]), x["count"], x["bytes"], x["exact_groups"])
+                for x in c["collectives"]]
+    peak = hw.peaks[cfg.model.dtype]
+    t = estimate.step_time(e, measured, peak, hw.node_bw, hw.network_bw, dict(row.layout.across), not args.no_overlap)
     print(f"\ncompiled for {args.devices} simulated devices: {row.layout.name()} ({row.layout.remat} remat): "
           f"parameters {c['params_bytes_per_device'] / GB:.3f} GB (predicted {e.params_bytes_per_device / GB:.3f}), "
           f"optimizer {c['optimizer_bytes_per_device'] / GB:.3f} GB (predicted {e.optimizer_bytes_per_device / GB:.3f}), "
           f"temporaries {c['temp_bytes_per_device'] / GB:.2f} GB (predicted for XLA's CPU attention "
           f"{c['expected']['temp_bytes_per_device'] / GB:.2f}); collective bytes "
           f"{sum(x['bytes'] for x in c['collectives']) / GB:.2f} GB (predicted "
-          f"{sum(x.bytes for x in e.collectives) / GB:.2f})")
+          f"{sum(x.bytes for x in e.collectives) / GB:.2f}); step time with the compiled collectives "
+          f"{t.total_s:.3f} s (predicted {row.time.total_s:.3f} s)")
   return 0
 
 
