@@ -143,7 +143,9 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
                                                                fused_attention)[0]
   vocab_local = m.vocab_size // tensor if m.vocab_size % tensor == 0 else m.vocab_size
   logits = 3 * b * l * vocab_local * 4             # float32 logits, their softmax and their gradient
-  activations = layers * per_layer + recompute + logits
+  # FSDP holds one layer's gathered weights for the forward and one for the backward use at any time.
+  gathered_layer = sum(r.bytes_per_device for r in _layer_rows(gathered)) // layers if sizes["fsdp"] > 1 else 0
+  activations = layers * per_layer + recompute + logits + 2 * gathered_layer
 
   model_flops = perf.model_flops(cfg, table) * cfg.batch_size * cfg.seq_len / n_dev  # the work splits evenly
   # Recomputed in the backward pass: full remat the whole forward (2 of the 6 FLOPs per parameter and token, and
