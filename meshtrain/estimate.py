@@ -141,11 +141,23 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
     per_layer -= stream - stream // tensor         # the residual stream is split over `tensor` as well
   recompute = 0 if m.remat == "none" else b * _block_residuals(dataclasses.replace(local, remat="none"), l,
                                                                fused_attention)[0]
+  if shards > 1:
+    # Ring attention is meshtrain's own JAX code (never a fused kernel): each of the n-1 further ring steps keeps
+    # its [l, l] tile of float32 scores and probabilities and the K/V block it received.
+    heads, kv = local.num_heads, local.num_kv_heads
+    ring = (shards - 1) * b * (2 * heads * l * l * 4 + 2 * l * kv * m.head_dim * act)
+    if m.remat == "none":
+      per_layer += ring
+    else:
+      recompute += ring
   vocab_local = m.vocab_size // tensor if m.vocab_size % tensor == 0 else m.vocab_size
   logits = 3 * b * l * vocab_local * 4             # float32 logits, their softmax and their gradient
   # FSDP holds one layer's gathered weights for the forward and one for the backward use at any time.
   gathered_layer = sum(r.bytes_per_device for r in _layer_rows(gathered)) // layers if sizes["fsdp"] > 1 else 0
-  activations = layers * per_layer + recompute + logits + 2 * gathered_layer
+  # A pipeline runs its layers M + S - 1 times per step (the fill and drain iterations too, on placeholder
+  # rows), and autodiff keeps every run's residuals.
+  pipeline_runs = (cfg.pipeline.repeats * micro + stages - 1) / (cfg.pipeline.repeats * micro) if stages > 1 else 1
+  activations = layers * per_layer * pipeline_runs + recompute + logits + 2 * gathered_layer
 
   model_flops = perf.model_flops(cfg, table) * cfg.batch_size * cfg.seq_len / n_dev  # the work splits evenly
   # Recomputed in the backward pass: full remat the whole forward (2 of the 6 FLOPs per parameter and token, and

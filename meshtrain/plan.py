@@ -6,8 +6,9 @@ Enumerates data, fsdp, tensor, sequence, expert and stage sizes, the remateriali
 accumulation and pipeline micro-batches; estimates each layout's memory and step time from shapes alone
 (meshtrain/estimate.py: FLOPs at the GPU's peak plus each collective's bytes over NVLink inside a node or the
 network across nodes); drops layouts that do not fit; prints the ranked table and the config overrides of the
-winner. `--verify K` then compiles the best K layouts for simulated devices (as `python -m meshtrain.inspect`
-does; results cached on disk) and prints compiled next to predicted memory and collective bytes.
+winner. The best K (`--verify K`, default 3) are then compiled for simulated devices (as `python -m
+meshtrain.inspect` does; cached on disk) and the winner is picked by step times redone with the collectives XLA
+actually compiled.
 `--gpu cpu` plans for this machine's simulated devices, with peak FLOP/s and collective bandwidth measured here.
 """
 import argparse
@@ -184,18 +185,62 @@ def rank(cfg, devices: int, nodes: int, hw: perf.Gpu, hbm: float, fused_attentio
   return rows, seen
 
 
-def verify(cfg, row: Row, cache_dir: pathlib.Path) -> dict:
-  """Compiles the layout for simulated devices (cached by config) and returns inspect's JSON report."""
+def _code_version() -> str:
+  """A digest of meshtrain's sources and JAX's version: a cached compile is only reused for the same program."""
+  import jax
+  digest = hashlib.sha256(jax.__version__.encode())
+  for path in sorted(pathlib.Path(__file__).parent.rglob("*.py")):
+    digest.update(path.read_bytes())
+  return digest.hexdigest()[:12]
+
+
+def compile_report(cfg, row: Row, cache_dir: pathlib.Path) -> dict:
+  """Compiles the layout for simulated devices (cached on disk) and returns inspect's JSON report."""
   from meshtrain import inspect
   c = row.layout.apply(cfg, one_process=True)
-  key = hashlib.sha256(json.dumps(c.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:20]
-  path = cache_dir / f"{key}.json"
+  key = hashlib.sha256((json.dumps(c.to_dict(), sort_keys=True, default=str) + _code_version()).encode())
+  path = cache_dir / f"{key.hexdigest()[:20]}.json"
   if path.exists():
     return json.loads(path.read_text())
   report = inspect.inspect(c).to_json(hbm_bytes=0)
   cache_dir.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(report))
   return report
+
+
+@dataclasses.dataclass
+class Verified:
+  row: Row
+  compiled: dict       # inspect's JSON report
+  time: object         # estimate.StepTime with the compiled program's collectives
+
+  def to_json(self) -> dict:
+    c = self.compiled
+    return {"layout": self.row.layout.name(), "overrides": self.row.layout.overrides(),
+            "predicted_step_time_s": self.row.time.total_s, "step_time_s": self.time.total_s,
+            "params_bytes_per_device": c["params_bytes_per_device"],
+            "optimizer_bytes_per_device": c["optimizer_bytes_per_device"],
+            "cpu_temp_bytes_per_device": c["temp_bytes_per_device"],
+            "collective_bytes": sum(x["bytes"] for x in c["collectives"]),
+            "predicted_collective_bytes": sum(x.bytes for x in self.row.estimate.collectives)}
+
+
+def verify(cfg, rows: list[Row], k: int, hw: perf.Gpu, overlap: bool, cache_dir: pathlib.Path) -> list[Verified]:
+  """The best k predicted layouts, compiled, with step times redone from the compiled collectives; best first.
+
+  The compiled program is the ground truth for collectives: XLA's partitioner sometimes reshards far more than
+  the layout needs (it says "involuntary full rematerialization"), which no arithmetic predicts.
+  """
+  from meshtrain import estimate, hlo
+  out = []
+  for row in rows[:k]:
+    report = compile_report(cfg, row, cache_dir)
+    compiled = [hlo.Collective(x["kind"], tuple(x["axes"]), x["count"], x["bytes"], x["exact_groups"])
+                for x in report["collectives"]]
+    t = estimate.step_time(row.estimate, compiled, hw.peaks[cfg.model.dtype], hw.node_bw, hw.network_bw,
+                           dict(row.layout.across), overlap)
+    out.append(Verified(row, report, t))
+  return sorted(out, key=lambda v: (v.time.total_s, v.row.estimate.flops_per_step))
 
 
 def format_rows(rows: list[Row], top: int) -> str:
@@ -206,8 +251,8 @@ def format_rows(rows: list[Row], top: int) -> str:
     t, lay = r.time, r.layout
     across = ",".join(f"{a}={n}" for a, n in lay.across if n > 1) or "-"
     lines.append((str(i), lay.name(), across, lay.remat, str(lay.grad_accum), str(lay.microbatches),
-                  f"{r.estimate.total_bytes_per_device / GB:.1f}", f"{t.compute_s:.3f}", f"{t.overlapped_s:.3f}",
-                  f"{t.exposed_s:.3f}", f"{t.network_s:.3f}", f"{t.total_s:.3f}", f"{r.mfu:.1%}", f"{r.tokens_per_sec_per_device:,.0f}"))
+                  f"{r.estimate.total_bytes_per_device / GB:.3g}", f"{t.compute_s:.4g}", f"{t.overlapped_s:.4g}",
+                  f"{t.exposed_s:.4g}", f"{t.network_s:.4g}", f"{t.total_s:.4g}", f"{r.mfu:.1%}", f"{r.tokens_per_sec_per_device:,.0f}"))
   widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
   return "\n".join("  ".join(c.ljust(w) if i in (1, 2, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
                    for line in lines)
@@ -226,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--no-overlap", action="store_true",
                       help="rank by compute + every collective in sequence (an upper bound) instead of overlapping "
                            "data/fsdp traffic with compute")
-  parser.add_argument("--verify", type=int, default=0, metavar="K", help="compile the best K layouts to check them")
+  parser.add_argument("--verify", type=int, default=3, metavar="K",
+                      help="compile the best K predicted layouts and pick the winner by their compiled collectives "
+                           "(default 3; 0: arithmetic only)")
   parser.add_argument("--cache", default="~/.cache/meshtrain/inspect", help="where compiled reports are kept")
   parser.add_argument("--json", action="store_true")
   try:
@@ -247,37 +294,42 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
       raise UserError(f"none of the {seen} layouts of this model fits in {hbm / GB:g} GB per device on "
                       f"{args.devices} devices; use more devices, a smaller batch_size or seq_len")
-    checks = [(row, verify(cfg, row, pathlib.Path(os.path.expanduser(args.cache)))) for row in rows[:args.verify]]
+    checked = verify(cfg, rows, args.verify, hw, not args.no_overlap, pathlib.Path(os.path.expanduser(args.cache)))
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  best = checked[0].row if checked else rows[0]
   if args.json:
     print(json.dumps({"gpu": hw.name, "devices": args.devices, "nodes": args.nodes, "hbm_bytes": hbm,
-                      "layouts_considered": seen, "fits": len(rows), "ranked": [r.to_json() for r in rows],
-                      "verified": [{"layout": r.layout.name(), "compiled": c} for r, c in checks]}))
+                      "layouts_considered": seen, "fits": len(rows), "best": best.to_json(),
+                      "ranked": [r.to_json() for r in rows], "verified": [v.to_json() for v in checked]}))
     return 0
   print(f"{cfg.model.get('preset', 'model')}: {seen} layouts considered on {args.devices} x {hw.name} "
         f"({args.nodes} node(s), {hbm / GB:g} GB each); {len(rows)} fit. Predicted with kernels at peak, "
         + ("every collective in sequence:" if args.no_overlap else "data/fsdp traffic hidden behind compute:"))
   print(format_rows(rows, args.top))
-  print(f"\nbest: {rows[0].layout.name()}\n  python -m meshtrain.train --config {args.config} --workdir RUN "
-        + " ".join(rows[0].layout.overrides()))
-  for row, c in checks:
-    e = row.estimate
-    from meshtrain import estimate, hlo
-    measured = [hlo.Collective(x["kind"], tuple(x["axes"]), x["count"], x["bytes"], x["exact_groups"])
-                for x in c["collectives"]]
-    peak = hw.peaks[cfg.model.dtype]
-    t = estimate.step_time(e, measured, peak, hw.node_bw, hw.network_bw, dict(row.layout.across), not args.no_overlap)
-    print(f"\ncompiled for {args.devices} simulated devices: {row.layout.name()} ({row.layout.remat} remat): "
-          f"parameters {c['params_bytes_per_device'] / GB:.3f} GB (predicted {e.params_bytes_per_device / GB:.3f}), "
-          f"optimizer {c['optimizer_bytes_per_device'] / GB:.3f} GB (predicted {e.optimizer_bytes_per_device / GB:.3f}), "
-          f"temporaries {c['temp_bytes_per_device'] / GB:.2f} GB (predicted for XLA's CPU attention "
-          f"{c['expected']['temp_bytes_per_device'] / GB:.2f}); collective bytes "
-          f"{sum(x['bytes'] for x in c['collectives']) / GB:.2f} GB (predicted "
-          f"{sum(x.bytes for x in e.collectives) / GB:.2f}); step time with the compiled collectives "
-          f"{t.total_s:.3f} s (predicted {row.time.total_s:.3f} s)")
+  if checked:
+    print(f"\nthe best {len(checked)} compiled for {args.devices} simulated devices (step time redone with the "
+          f"compiled collectives):")
+    print(format_verified(checked))
+  print(f"\nbest: {best.layout.name()}, {best.layout.remat} remat, grad_accum_steps={best.layout.grad_accum}\n"
+        f"  python -m meshtrain.train --config {args.config} --workdir RUN " + " ".join(best.layout.overrides()))
   return 0
+
+
+def format_verified(checked: list[Verified]) -> str:
+  lines = [("layout", "remat", "accum", "predicted s", "compiled s", "params+opt GB", "(predicted)",
+            "collective GB", "(predicted)", "CPU temp GB")]
+  for v in checked:
+    c, e, lay = v.compiled, v.row.estimate, v.row.layout
+    lines.append((lay.name(), lay.remat, str(lay.grad_accum), f"{v.row.time.total_s:.4g}", f"{v.time.total_s:.4g}",
+                  f"{(c['params_bytes_per_device'] + c['optimizer_bytes_per_device']) / GB:.3f}",
+                  f"{(e.params_bytes_per_device + e.optimizer_bytes_per_device) / GB:.3f}",
+                  f"{sum(x['bytes'] for x in c['collectives']) / GB:.2f}",
+                  f"{sum(x.bytes for x in e.collectives) / GB:.2f}", f"{c['temp_bytes_per_device'] / GB:.2f}"))
+  widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+  return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                   for line in lines)
 
 
 if __name__ == "__main__":

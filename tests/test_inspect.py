@@ -99,11 +99,20 @@ def _best(path, devices, gpu="h100", *overrides):
   return rows
 
 
-def test_plan_picks_data_parallel_when_the_model_fits_on_one_device():
-  rows = _best(TINY, 8)
-  best = rows[0].layout
-  assert best.name() == "data=8" and best.remat == "none" and best.grad_accum == 1
-  assert "--config.mesh.data=8" in best.overrides()
+def test_plan_picks_data_parallel_when_the_model_fits_on_one_device(capsys, tmp_path):
+  args = ["--config", TINY, "--devices", "8", "--gpu", "h100", "--verify", "1", "--cache", str(tmp_path), "--json"]
+  assert plan.main(args) == 0
+  out = json.loads(capsys.readouterr().out)
+  best = out["best"]
+  assert best["layout"] == "data=8" and best["remat"] == "none" and best["grad_accum_steps"] == 1
+  assert "--config.mesh.data=8" in best["overrides"] and "--config.sharding.rules=dp" in best["overrides"]
+  # --verify compiled it: parameters and optimizer state as predicted, collectives as many bytes as predicted.
+  (checked,) = out["verified"]
+  assert checked["layout"] == "data=8"
+  assert checked["params_bytes_per_device"] == best["params_bytes_per_device"]
+  assert checked["optimizer_bytes_per_device"] == best["optimizer_bytes_per_device"]
+  assert checked["collective_bytes"] == pytest.approx(checked["predicted_collective_bytes"], rel=1e-3)
+  assert len(list(tmp_path.glob("*.json"))) == 1  # cached: a second plan does not compile again
 
 
 def test_plan_picks_fsdp_when_data_parallel_does_not_fit():
