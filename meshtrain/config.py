@@ -21,6 +21,7 @@ SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_head
                 "tie_embeddings", "scan_layers", "param_dtype")
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
+INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -188,6 +189,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   _check_choice("model.param_dtype", m.param_dtype, DTYPES)
   _check_choice("model.attention", m.attention, ("xla", "cudnn", "auto"))
   _check_choice("model.context_attention", m.context_attention, ("ring", "allgather"))
+  _check_choice("model.init", m.init, INITS)
   if m.num_experts < 0 or (m.num_experts and not 1 <= m.experts_per_token <= m.num_experts):
     raise UserError(f"model.num_experts={m.num_experts}, model.experts_per_token={m.experts_per_token}: use "
                     "num_experts=0 (dense MLP) or 1 <= experts_per_token <= num_experts")

@@ -190,9 +190,10 @@ def collectives(cfg, sizes, table, gathered, b: int, l: int, act: int) -> list[C
     tensor: one all-reduce of the [b, l, D] block output after the attention output and after the MLP down
       projection (2 per layer forward, again under full remat's recompute), and in the backward pass one
       combined all-reduce of the input gradients of Q/K/V (3 x [b, l, D]) and one of gate/up (2 x [b, l, D]);
-    sequence: ring attention passes K and V around the ring: (n-1) steps forward, twice that backward (K/V
-      and their gradients);
-    stage: each pipeline iteration hands a [micro-batch, l, D] activation to the next stage, forward and back;
+    sequence: gradients summed over the sequence shards (per layer, as for data); ring attention passes K and
+      V around the ring, one permute each of K, V forward and dK, dV backward per ring step;
+    stage: each pipeline iteration hands a [micro-batch, l, D] activation to the next stage, forward and back,
+      and the data-axis gradient reduction runs once per pipeline iteration;
     expert: two all-to-alls of the dispatched tokens per MoE layer forward (dispatch, combine), two backward.
   Bytes are the buffer per device per execution (full gathered size for all-gathers), summed over executions.
   """
@@ -210,39 +211,60 @@ def collectives(cfg, sizes, table, gathered, b: int, l: int, act: int) -> list[C
       out.append(Collective(kind, axes, int(count), int(nbytes), True))
 
   fsdp = sizes["fsdp"] > 1
+  micro = cfg.pipeline.microbatches if stages > 1 else 1
+  repeats = cfg.pipeline.repeats if stages > 1 and cfg.pipeline.schedule == "circular" else 1
+  iterations = repeats * micro + stages - 1 if stages > 1 else 1   # pipeline loop iterations (1: no pipeline)
+  runs = iterations * layers // repeats  # times a device runs one of its layers, each on b / micro rows
   if sizes["data"] > 1 or fsdp:
     layer_grads = sum(r.bytes_per_device for r in _layer_rows(gathered))
     # An FSDP-split embedding is looked up slice by slice with every token id gathered, so its gradient needs no
     # reduction; split gradients need one more for the global-norm partial sums, and the loss sums go separately.
     other = [r for r in gathered if not r.path.startswith("layers/") and not (fsdp and r.path == "embedding")]
-    add("all-reduce", ("data", "fsdp"), accum * (layers + 1 + (2 if fsdp else 0)),
-        accum * (layer_grads + sum(r.bytes_per_device for r in other)))
+    if stages == 1:
+      add("all-reduce", ("data", "fsdp"), accum * (layers + 1 + (2 if fsdp else 0)),
+          accum * (layer_grads + sum(r.bytes_per_device for r in other)))
+    else:
+      # Inside the pipeline loop XLA reduces each iteration's layer gradients as they appear, before summing the
+      # iterations: every loop iteration pays a full reduction of the stage's layers (fill and drain included).
+      per_iteration = layers // repeats
+      add("all-reduce", ("data", "fsdp"), accum * (iterations * per_iteration + 2 + (2 if fsdp else 0)),
+          accum * (iterations * layer_grads // repeats + sum(r.bytes_per_device for r in other)))
+  if shards > 1:
+    # Each sequence shard saw different tokens, so every gradient is summed over `sequence` too (XLA keeps it a
+    # separate reduction from the data-axis one).
+    add("all-reduce", ("sequence",), accum * (layers + 1), accum * sum(r.bytes_per_device for r in gathered))
   if fsdp:
     split = [g for r, g in zip(table, gathered) if g.path.startswith("layers/") and "fsdp" in str(r.spec)]
     head = [g for g in gathered if g.path == "head"]
     # Per layer every split weight is gathered for its forward and again for its backward use; outside the
     # layers the head once, and the token ids for the embedding lookup.
-    add("all-gather", ("fsdp",), accum * (2 * len(split) * layers + len(head) + 1),
-        accum * (2 * sum(g.bytes_per_device for g in split) + sum(g.bytes_per_device for g in head)
+    # In a pipeline the layers run once per loop iteration, so their collectives do too.
+    add("all-gather", ("fsdp",), accum * (2 * len(split) * runs + len(head) + 1),
+        accum * (2 * sum(g.bytes_per_device for g in split) * runs // layers + sum(g.bytes_per_device for g in head)
                  + b * sizes["fsdp"] * l * 4))
     # The looked-up [b, l, D/fsdp] embeddings are re-split by batch (and their gradient back): two all-to-alls.
     # (the lookup happens before the cast to the compute dtype, so in the parameter dtype).
     add("all-to-all", ("fsdp",), accum * 2, accum * 2 * b * l * m.d_model * _DTYPE_BYTES[m.param_dtype])
   if tensor > 1:
-    forward = 2 * layers * (2 if remat_full else 1)
+    forward = 2 * runs * (2 if remat_full else 1)
     # Outside the layers: the vocabulary-split embedding lookup and head input gradient ([b, l, D] each), the
     # target logit, max and sum of the vocabulary-split softmax ([b, l] each), the global-norm partial sums.
-    add("all-reduce", ("tensor",), accum * (forward + 2 * layers + 6),
-        accum * (forward * bld + 5 * layers * bld + 2 * bld + 3 * b * l * 4))
+    add("all-reduce", ("tensor",), accum * (forward + 2 * runs + 6),
+        accum * ((forward + 5 * runs) * bld // micro + 2 * bld + 3 * b * l * 4))
   if shards > 1:
-    kv = b * l * m.num_kv_heads * m.head_dim * act * 2 // (tensor if m.num_kv_heads % tensor == 0 else 1)
-    steps = (shards - 1) * layers * (3 + (1 if remat_full else 0))
-    add("collective-permute", ("sequence",), accum * steps, accum * steps * kv)
+    # Per layer and ring step: K and V forward (again under full remat's recompute), dK and dV backward, one
+    # permute each; the positions travel once per step for all layers (the loop hoists them).
+    kv_one = b * l * (m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads) * m.head_dim * act
+    per_step = (4 + (2 if remat_full else 0)) * layers
+    add("collective-permute", ("sequence",), accum * (shards - 1) * (per_step + 1),
+        accum * (shards - 1) * (per_step * kv_one + b * l * 4))
   if stages > 1:
-    micro = cfg.pipeline.microbatches
-    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
-    hops = 2 * (repeats * micro + stages - 1)
-    add("collective-permute", ("stage",), accum * hops, accum * hops * bld // micro)
+    # Each loop iteration rolls the [S, b/M, l, D] buffer by one stage (one permute forward, two for its
+    # gradient), plus one in and one out of the loop; the stage-replicated buffers' gradients (the M-slot input
+    # store and the M + 1-slot output) are summed over `stage`, twice.
+    slot = bld // micro
+    add("collective-permute", ("stage",), accum * (3 * iterations + 2), accum * (3 * iterations + 2) * slot)
+    add("all-reduce", ("stage",), accum * 2, accum * (2 * micro + 1) * slot)
   if experts > 1 and m.num_experts:
     capacity = math.ceil(m.capacity_factor * b * l * m.experts_per_token / m.num_experts) * m.num_experts
     add("all-to-all", ("expert",), accum * 4 * layers, accum * 4 * layers * capacity * m.d_model * act)

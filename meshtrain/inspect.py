@@ -99,7 +99,7 @@ def inspect(cfg) -> Report:
 
 
 def _gb(b: float) -> str:
-  return f"{b / GB:,.3f} GB" if abs(b) >= 0.01 * GB else f"{b / 2**20:,.2f} MiB"
+  return f"{b / GB:,.3f} GB" if abs(b) >= GB else f"{b / 1e6:,.2f} MB"
 
 
 def _ratio(measured: float, expected: float) -> str:

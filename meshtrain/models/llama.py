@@ -16,8 +16,39 @@ import jax.numpy as jnp
 
 from meshtrain import sharding
 from meshtrain.models.moe import MoEConfig, MoEMLP
-from meshtrain.models.params import param
+from meshtrain.models.params import FanIn, param
 from meshtrain.parallel import context, pipeline
+
+# model.init="fan_in": MaxText 0.2.5's initialisers for its default decoder (decoder_block: llama2, use_qk_norm:
+# false, logits_via_embedding: false, fused_qkv/fused_mlp: false; configs/base.yml:190,218,562-563,1369), read in
+# experiments/peer_maxtext/.venv/lib/python3.12/site-packages/maxtext/. DenseGeneral passes the contracted input
+# axes as in_axis and the rest as out_axis (layers/linears.py:256-268), so fan_in = the product of the input dims;
+# nd_dense_init is jax.nn.initializers.variance_scaling(scale, mode, distribution, in_axis, out_axis)
+# (layers/initializers.py:46-71). Layers are initialised one at a time before stacking (layers/nnx_scan.py:37-50),
+# so the layer axis never enters fan_in.
+#   embedding [V,D]  normal(1.0), no fan-in scaling: Embed(embedding_init=normal(stddev=1.0)) (models/models.py:126-134,
+#                    the [V,D] table at layers/embeddings.py:83-88). Not layers/initializers.py's default_embed_init.
+#   q [D,H,E]        normal, fan_in D, then / sqrt(E): Attention's default kernel_init nd_dense_init(1.0, "fan_in",
+#                    "normal") (layers/attentions.py:266; llama2 passes none, models/llama2.py:77-104), and
+#                    query_init divides by depth_scaling = sqrt(head_dim) (layers/attentions.py:655-672) because the
+#                    logits are never scaled: qk_product is a plain einsum (layers/attention_op.py:3122). Hence
+#                    Attention below multiplies the query kernel by sqrt(E) to cancel dot_product_attention's 1/sqrt(E).
+#   k, v [D,K,E]     normal, fan_in D (layers/attentions.py:705-728).
+#   o [H,E,D]        normal, fan_in H*E: axis=(-2,-1) makes both input dims in_axis (layers/attentions.py:807-826).
+#                    No 1/sqrt(2N) depth scaling, for o or the MLP's wo.
+#   gate, up [D,F]   truncated normal, fan_in D: MlpBlock's default kernel_init nd_dense_init(1.0, "fan_in",
+#                    "truncated_normal") (layers/linears.py:626; llama2 passes none, models/llama2.py:116-128),
+#                    wi_0 (silu) and wi_1 (linear) at layers/linears.py:709-727.
+#   down [F,D]       truncated normal, fan_in F (wo, layers/linears.py:731-747).
+#   head [D,V]       truncated normal, fan_in D: logits_dense, DenseGeneral's default kernel_init
+#                    (layers/nnx_decoders.py:473-485, layers/linears.py:177).
+#   norm scales      ones: RMSNorm's default scale_init (layers/normalizations.py:69; models/llama2.py:66-75,106-114,
+#                    layers/nnx_decoders.py:466-472).
+#   tied embeddings  (logits_via_embedding=true, not the peer benchmark) MaxText divides the logits by sqrt(D)
+#                    (normalize_embedding_logits, layers/nnx_decoders.py:1598-1608); Transformer below does too.
+# truncated_normal draws a standard normal cut at +-2 and divides by 0.87962566 (its std), so the std is exactly
+# sqrt(1/fan_in) (jax/_src/nn/initializers.py:351-387 in MaxText's JAX 0.12, the same code in meshtrain's 0.10.2).
+# MaxText's dense_init_scale (base.yml:208) is not used by the llama2 decoder.
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -37,6 +68,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-5
+  init: str = "normal"             # normal: normal(init_std) | fan_in: MaxText's initialisers (mapping above)
   init_std: float = 0.02
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -100,11 +132,23 @@ class Attention(nn.Module):
     c = self.cfg
     D, H, K, E = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)  # residual branches summed N times: keep their sum O(1)
-    w_q = param(self, "q", (D, H, E), ("embed", "heads", "head_dim"), c.init_std, c.param_dtype)
-    w_k = param(self, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
-    w_v = param(self, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
-    w_o = param(self, "o", (H, E, D), ("heads", "head_dim", "embed"), out_std, c.param_dtype)
-    q_BLHE = jnp.einsum("BLD,DHE->BLHE", x_BLD, w_q.astype(c.dtype))
+    # fan_in (MaxText): attention weights are plain normal, not truncated; the query is drawn 1/sqrt(E) smaller.
+    w_q = param(self, "q", (D, H, E), ("embed", "heads", "head_dim"), c.init_std, c.param_dtype, c.init,
+                FanIn(distribution="normal", scale=1 / E))
+    w_k = param(self, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype, c.init,
+                FanIn(distribution="normal"))
+    w_v = param(self, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype, c.init,
+                FanIn(distribution="normal"))
+    w_o = param(self, "o", (H, E, D), ("heads", "head_dim", "embed"), out_std, c.param_dtype, c.init,
+                FanIn(in_axes=(0, 1), distribution="normal"))
+    w_q = w_q.astype(c.dtype)
+    if c.init == "fan_in":
+      # MaxText never scales the logits (its 1/sqrt(E) is in the query kernel's init): undo the 1/sqrt(E) that
+      # dot_product_attention applies. On the weight, not on q: the same function as an unscaled softmax, and
+      # the parameter keeps MaxText's scale, so Adam's steps (fixed size in parameter units) move the logits as
+      # fast as in MaxText. Same at init with std 1/sqrt(D) and the usual scaling, not in training.
+      w_q = w_q * jnp.asarray(math.sqrt(E), c.dtype)
+    q_BLHE = jnp.einsum("BLD,DHE->BLHE", x_BLD, w_q)
     k_BLKE = jnp.einsum("BLD,DKE->BLKE", x_BLD, w_k.astype(c.dtype))
     v_BLKE = jnp.einsum("BLD,DKE->BLKE", x_BLD, w_v.astype(c.dtype))
     q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_heads", "act_head_dim"))
@@ -130,9 +174,10 @@ class MLP(nn.Module):
   def __call__(self, x_BLD):
     c = self.cfg
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
-    w_gate = param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype)
-    w_up = param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype)
-    w_down = param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), out_std, c.param_dtype)
+    # fan_in (MaxText's MlpBlock): truncated normal, 1/sqrt(D) in, 1/sqrt(F) out.
+    w_gate = param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype, c.init, FanIn())
+    w_up = param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype, c.init, FanIn())
+    w_down = param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), out_std, c.param_dtype, c.init, FanIn())
     gate_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, w_gate.astype(c.dtype))
     up_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, w_up.astype(c.dtype))
     h_BLF = nn.with_logical_constraint(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_len", "act_mlp"))
@@ -164,7 +209,9 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BL, pos_L=None):
     c = self.cfg
     pos_L = jnp.arange(tokens_BL.shape[1]) if pos_L is None else pos_L
-    embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype)
+    # fan_in: MaxText's token embedding is normal(1.0) (fan-in 1); the first RMSNorm makes its scale harmless.
+    embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype,
+                     c.init, FanIn(in_axes=(), distribution="normal"))
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.dtype)
     x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_res_len", "act_embed"))
     block = Block
@@ -186,7 +233,11 @@ class Transformer(nn.Module):
     x_BLD = RMSNorm(c, name="final_norm")(x_BLD)
     if c.tie_embeddings:
       logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, embed_VD.astype(c.dtype))
+      if c.init == "fan_in":
+        # A normal(1.0) table would give logits of std sqrt(D); MaxText divides them by sqrt(D) (mapping above).
+        logits_BLV = logits_BLV / jnp.asarray(math.sqrt(c.d_model), logits_BLV.dtype)
     else:
-      head_DV = param(self, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+      head_DV = param(self, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype,
+                      c.init, FanIn())
       logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, head_DV.astype(c.dtype))
     return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))

@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from meshtrain.models.params import param
+from meshtrain.models.params import FanIn, param
 
 AUX_NAMES = ("load_balance_loss", "router_z_loss", "dropped_fraction", "aux_loss")
 
@@ -120,7 +120,7 @@ def collect(moe_vars) -> dict[str, jax.Array]:
 
 
 class MoEMLP(nn.Module):
-  """cfg: a llama.ModelConfig (d_model, mlp_dim = per-expert width, dtype, param_dtype, init_std, num_layers)."""
+  """cfg: a llama.ModelConfig (d_model, mlp_dim = per-expert width, dtype, param_dtype, init, init_std, num_layers)."""
   cfg: Any
   moe: MoEConfig
 
@@ -132,10 +132,14 @@ class MoEMLP(nn.Module):
     C = capacity(m, S)
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
     # The router's expert axis is never split (None): every token needs all X logits, and D x X is tiny.
-    w_router = param(self, "router", (D, X), ("embed", None), c.init_std, c.param_dtype)
-    w_gate = param(self, "gate", (X, D, F), ("expert", "embed", "mlp"), c.init_std, c.param_dtype)
-    w_up = param(self, "up", (X, D, F), ("expert", "embed", "mlp"), c.init_std, c.param_dtype)
-    w_down = param(self, "down", (X, F, D), ("expert", "mlp", "embed"), out_std, c.param_dtype)
+    # model.init="fan_in": truncated normal, fan-in of one expert (D in, F out), the experts a batch axis. MaxText's
+    # RoutedMoE passes in_axis=0 for its [X, D, F] kernels (maxtext/layers/moe.py:1017-1018), which makes jax
+    # count fan_in = X*F: not copied, so an expert's outputs start at the scale of llama.MLP's.
+    w_router = param(self, "router", (D, X), ("embed", None), c.init_std, c.param_dtype, c.init, FanIn())
+    expert = FanIn(in_axes=(1,), batch_axes=(0,))
+    w_gate = param(self, "gate", (X, D, F), ("expert", "embed", "mlp"), c.init_std, c.param_dtype, c.init, expert)
+    w_up = param(self, "up", (X, D, F), ("expert", "embed", "mlp"), c.init_std, c.param_dtype, c.init, expert)
+    w_down = param(self, "down", (X, F, D), ("expert", "mlp", "embed"), out_std, c.param_dtype, c.init, expert)
 
     x_GSD = nn.with_logical_constraint(x_BLD.astype(c.dtype), ("act_batch", "act_len", "act_embed"))
     logits_GSX = jnp.einsum("GSD,DX->GSX", x_GSD.astype(jnp.float32), w_router.astype(jnp.float32))

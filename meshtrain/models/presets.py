@@ -30,7 +30,8 @@ def model_config(name: str) -> ml_collections.ConfigDict:
   m.tie_embeddings = tied         # reuse the embedding matrix as the output projection
   m.rope_theta = theta            # rotary embedding base
   m.norm_eps = 1e-5               # RMSNorm epsilon
-  m.init_std = 0.02               # stddev of the normal init of every matrix (output projections scaled by depth)
+  m.init = "normal"               # normal: normal(init_std) | fan_in: MaxText's initialisers (see models/llama.py)
+  m.init_std = 0.02               # init=normal: stddev of every matrix (output projections scaled by depth)
   m.dtype = "float32"             # compute dtype: float32 | bfloat16 (parameters stay in param_dtype)
   m.param_dtype = "float32"       # storage dtype of parameters and optimizer state
   m.remat = "none"                # rematerialization: none | full | save_dots (keep matmul outputs, recompute the rest)
