@@ -4,7 +4,9 @@ Every parameter of the models is created by `param` below, so `model.init` is de
   normal  normal(init_std) for every matrix; the model files pass a smaller std for output projections.
   fan_in  each weight's own variance-scaling initialiser, described by a `FanIn` its model file passes: what
           MaxText 0.2.5 does for its llama2 decoder (see llama.py for the per-weight mapping), so the peer
-          benchmark (experiments/peer_maxtext) starts both systems from the same distribution.
+          benchmark (experiments/peer_maxtext) starts both systems from the same distribution. llama.py then
+          also takes the attention's 1/sqrt(head_dim) out of the softmax, because MaxText puts it in the
+          query kernel's init instead.
 Norm scales (std None) are ones under both.
 """
 import dataclasses
@@ -13,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-INITS = ("normal", "fan_in")
+INITS = ("normal", "fan_in")  # also in meshtrain/config.py, which validates model.init without importing JAX
 DISTRIBUTIONS = ("normal", "truncated_normal")
 
 
@@ -45,13 +47,6 @@ class FanIn:
       return jax.nn.initializers.variance_scaling(self.scale, "fan_in", self.distribution, in_axis=self.in_axes,
                                                   out_axis=out_axes, batch_axis=self.batch_axes)(key, shape, dtype)
     return init
-
-  def std(self, shape: tuple[int, ...]) -> float:
-    """The std the samples have (for tests and documentation)."""
-    fan_in = 1
-    for a in self.in_axes:
-      fan_in *= shape[a]
-    return (self.scale / fan_in) ** 0.5
 
 
 def initializer(init: str, std: float | None, fan_in: FanIn | None):
