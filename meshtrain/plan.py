@@ -213,11 +213,15 @@ class Verified:
   row: Row
   compiled: dict       # inspect's JSON report
   time: object         # estimate.StepTime with the compiled program's collectives
+  memory: int          # compiled bytes per device (less the [L, L] attention scores a fused GPU kernel never keeps)
+  fits: bool
 
   def to_json(self) -> dict:
     c = self.compiled
     return {"layout": self.row.layout.name(), "overrides": self.row.layout.overrides(),
             "predicted_step_time_s": self.row.time.total_s, "step_time_s": self.time.total_s,
+            "memory_bytes_per_device": self.memory, "fits": self.fits,
+            "predicted_memory_bytes_per_device": self.row.estimate.total_bytes_per_device,
             "params_bytes_per_device": c["params_bytes_per_device"],
             "optimizer_bytes_per_device": c["optimizer_bytes_per_device"],
             "cpu_temp_bytes_per_device": c["temp_bytes_per_device"],
@@ -225,22 +229,29 @@ class Verified:
             "predicted_collective_bytes": sum(x.bytes for x in self.row.estimate.collectives)}
 
 
-def verify(cfg, rows: list[Row], k: int, hw: perf.Gpu, overlap: bool, cache_dir: pathlib.Path) -> list[Verified]:
-  """The best k predicted layouts, compiled, with step times redone from the compiled collectives; best first.
+def verify(cfg, rows: list[Row], k: int, hw: perf.Gpu, hbm: float, overlap: bool,
+           cache_dir: pathlib.Path) -> list[Verified]:
+  """Compiles the best predicted layouts until k of them fit (at most 2k compiles); fitting ones first, best first.
 
-  The compiled program is the ground truth for collectives: XLA's partitioner sometimes reshards far more than
-  the layout needs (it says "involuntary full rematerialization"), which no arithmetic predicts.
+  The compiled program is the ground truth for memory and collectives: XLA's buffer assignment is not modelled
+  exactly, and its partitioner sometimes reshards far more than a layout needs ("involuntary full
+  rematerialization"). Compiled on the CPU, attention keeps its [L, L] scores; for a GPU target whose fused kernel
+  does not, the analytic size of those scores is taken out of the compiled figure.
   """
   from meshtrain import estimate, hlo
   out = []
-  for row in rows[:k]:
+  for row in rows[:2 * k]:
+    if sum(v.fits for v in out) >= k:
+      break
     report = compile_report(cfg, row, cache_dir)
     compiled = [hlo.Collective(x["kind"], tuple(x["axes"]), x["count"], x["bytes"], x["exact_groups"])
                 for x in report["collectives"]]
     t = estimate.step_time(row.estimate, compiled, hw.peaks[cfg.model.dtype], hw.node_bw, hw.network_bw,
                            dict(row.layout.across), overlap)
-    out.append(Verified(row, report, t))
-  return sorted(out, key=lambda v: (v.time.total_s, v.row.estimate.flops_per_step))
+    scores = report["expected"]["temp_bytes_per_device"] - row.estimate.temp_bytes_per_device  # 0 unless fused
+    memory = report["total_bytes_per_device"] - max(scores, 0)
+    out.append(Verified(row, report, t, memory, memory <= hbm))
+  return sorted(out, key=lambda v: (not v.fits, v.time.total_s, v.row.estimate.flops_per_step))
 
 
 def format_rows(rows: list[Row], top: int) -> str:
@@ -294,11 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
       raise UserError(f"none of the {seen} layouts of this model fits in {hbm / GB:g} GB per device on "
                       f"{args.devices} devices; use more devices, a smaller batch_size or seq_len")
-    checked = verify(cfg, rows, args.verify, hw, not args.no_overlap, pathlib.Path(os.path.expanduser(args.cache)))
+    checked = verify(cfg, rows, args.verify, hw, hbm, not args.no_overlap,
+                     pathlib.Path(os.path.expanduser(args.cache)))
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  best = checked[0].row if checked else rows[0]
+  best = checked[0].row if checked and checked[0].fits else rows[0]
   if args.json:
     print(json.dumps({"gpu": hw.name, "devices": args.devices, "nodes": args.nodes, "hbm_bytes": hbm,
                       "layouts_considered": seen, "fits": len(rows), "best": best.to_json(),
@@ -309,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         + ("every collective in sequence:" if args.no_overlap else "data/fsdp traffic hidden behind compute:"))
   print(format_rows(rows, args.top))
   if checked:
-    print(f"\nthe best {len(checked)} compiled for {args.devices} simulated devices (step time redone with the "
-          f"compiled collectives):")
+    print(f"\n{len(checked)} of the best compiled for {args.devices} simulated devices (step time redone with the "
+          f"compiled collectives; memory as compiled{', less the attention scores a fused kernel does not keep' if fused else ''}):")
     print(format_verified(checked))
   print(f"\nbest: {best.layout.name()}, {best.layout.remat} remat, grad_accum_steps={best.layout.grad_accum}\n"
         f"  python -m meshtrain.train --config {args.config} --workdir RUN " + " ".join(best.layout.overrides()))
@@ -318,15 +330,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_verified(checked: list[Verified]) -> str:
-  lines = [("layout", "remat", "accum", "predicted s", "compiled s", "params+opt GB", "(predicted)",
-            "collective GB", "(predicted)", "CPU temp GB")]
+  lines = [("layout", "remat", "accum", "predicted s", "compiled s", "GB/dev", "(predicted)", "fits",
+            "params+opt GB", "(predicted)", "collective GB", "(predicted)")]
   for v in checked:
     c, e, lay = v.compiled, v.row.estimate, v.row.layout
     lines.append((lay.name(), lay.remat, str(lay.grad_accum), f"{v.row.time.total_s:.4g}", f"{v.time.total_s:.4g}",
+                  f"{v.memory / GB:.3g}", f"{e.total_bytes_per_device / GB:.3g}", "yes" if v.fits else "NO",
                   f"{(c['params_bytes_per_device'] + c['optimizer_bytes_per_device']) / GB:.3f}",
                   f"{(e.params_bytes_per_device + e.optimizer_bytes_per_device) / GB:.3f}",
                   f"{sum(x['bytes'] for x in c['collectives']) / GB:.2f}",
-                  f"{sum(x.bytes for x in e.collectives) / GB:.2f}", f"{c['temp_bytes_per_device'] / GB:.2f}"))
+                  f"{sum(x.bytes for x in e.collectives) / GB:.2f}"))
   widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
   return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
                    for line in lines)
