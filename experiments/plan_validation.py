@@ -80,7 +80,32 @@ def main() -> int:
   print(f"CPU peak {result['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device, all-reduce "
         f"{result['allreduce_bytes_per_s'] / 1e9:.2f} GB/s per device (measured in this run)")
   pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
+  plot(result, pathlib.Path(args.out).with_suffix(".png"))
   return 0
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+  """Predicted vs measured step time and predicted vs compiled memory, one point per layout."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = result["layouts"]
+  fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.5))
+  for name, r in rows.items():
+    ax_t.scatter(r["predicted_step_s"] * 1e3, r["measured_step_s"] * 1e3)
+    ax_t.annotate(name, (r["predicted_step_s"] * 1e3, r["measured_step_s"] * 1e3), fontsize=7)
+    ax_m.scatter(r["predicted_bytes"] / 1e6, r["compiled_bytes"] / 1e6)
+    ax_m.annotate(name, (r["predicted_bytes"] / 1e6, r["compiled_bytes"] / 1e6), fontsize=7)
+  ax_t.set(xlabel="predicted step time (ms)", ylabel="measured step time (ms)",
+           title="step time: ranking kept, kernels far below peak")
+  lo, hi = min(r["compiled_bytes"] for r in rows.values()) / 1e6, max(r["compiled_bytes"] for r in rows.values()) / 1e6
+  ax_m.plot([lo * 0.8, hi * 1.1], [lo * 0.8, hi * 1.1], "k--", lw=0.8, label="equal")
+  ax_m.set(xlabel="predicted memory per device (MB)", ylabel="compiled memory per device (MB)",
+           title="memory per device")
+  ax_m.legend()
+  fig.suptitle("meshtrain.plan's arithmetic vs the compiled program and the measured step (tiny, 8 CPU devices)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
