@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from ckpt_helpers import restore_params
 
-ARGS = ["--config", "configs/tiny.py", "--config.steps=24", "--config.seq_len=64", "--config.log_every=1",
+STEPS = 16
+ARGS = ["--config", "configs/tiny.py", "--config.steps=16", "--config.seq_len=64", "--config.log_every=1",
         "--config.eval_every=0", "--config.checkpoint_every=4", "--config.checkpoint_keep=10",
         "--config.optimizer.warmup_steps=2"]
 
@@ -64,7 +65,7 @@ def truncate_checkpoints(workdir, keep_up_to):
 def assert_params_equal(a_dir, b_dir, step, exact=True):
   check = np.testing.assert_array_equal if exact else (
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5))  # Adam amplifies rounding of tiny grads
-  jax.tree.map(check, restore_params(a_dir, step, steps=24), restore_params(b_dir, step, steps=24))
+  jax.tree.map(check, restore_params(a_dir, step, steps=STEPS), restore_params(b_dir, step, steps=STEPS))
 
 
 def child_pid(workdir, process_id):
@@ -81,7 +82,7 @@ def child_pid(workdir, process_id):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """An uninterrupted 24-step run, one process, 8 devices."""
+  """An uninterrupted 16-step run, one process, 8 devices."""
   workdir = tmp_path_factory.mktemp("reference")
   proc = run(workdir)
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -95,12 +96,12 @@ def test_sigterm_saves_and_resumes_bitwise(reference, tmp_path):
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-2000:]
   saved = steps_on_disk(tmp_path)[-1]
-  assert f"preempted: saved step {saved} to" in err + out and 6 <= saved < 24
+  assert f"preempted: saved step {saved} to" in err + out and 6 <= saved < STEPS
   proc = run(tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert f"resumed from {tmp_path / 'checkpoints' / str(saved)}" in proc.stdout
   assert losses(tmp_path) == losses(reference)  # every step, to the last bit
-  assert_params_equal(tmp_path, reference, 24)
+  assert_params_equal(tmp_path, reference, STEPS)
 
 
 def test_sigint_to_one_of_two_processes_stops_both(tmp_path):
@@ -110,7 +111,7 @@ def test_sigint_to_one_of_two_processes_stops_both(tmp_path):
   out, err = proc.communicate(timeout=180)
   assert proc.returncode == 0, err[-3000:]
   saved = steps_on_disk(tmp_path)[-1]
-  assert f"[p0] preempted: saved step {saved}" in out + err and saved < 24
+  assert f"[p0] preempted: saved step {saved}" in out + err and saved < STEPS
   assert (tmp_path / "checkpoints" / str(saved) / "commit_success.txt").exists()
 
 
@@ -130,7 +131,7 @@ def test_kill9_mid_save_resumes_from_last_complete_checkpoint(reference, tmp_pat
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert f"resumed from {checkpoints / str(last)}" in proc.stdout
   assert losses(tmp_path) == losses(reference)
-  assert_params_equal(tmp_path, reference, 24)
+  assert_params_equal(tmp_path, reference, STEPS)
 
 
 def test_kill9_mid_step_resumes_bitwise(reference, tmp_path):
@@ -147,8 +148,8 @@ def test_kill9_mid_step_resumes_bitwise(reference, tmp_path):
 def test_damaged_latest_checkpoint(damage, reference, tmp_path):
   shutil.copytree(reference, tmp_path / "run")
   workdir = tmp_path / "run"
-  truncate_checkpoints(workdir, 20)
-  latest = workdir / "checkpoints" / "20"
+  truncate_checkpoints(workdir, 12)
+  latest = workdir / "checkpoints" / "12"
   if damage == "commit marker":
     (latest / "commit_success.txt").unlink()
   else:
@@ -156,16 +157,16 @@ def test_damaged_latest_checkpoint(damage, reference, tmp_path):
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
   proc = run(workdir)
   assert proc.returncode == 2
-  assert "the checkpoint at step 20" in proc.stderr and "is damaged" in proc.stderr
+  assert "the checkpoint at step 12" in proc.stderr and "is damaged" in proc.stderr
   assert ("missing commit_success.txt" if damage == "commit marker" else "restore failed") in proc.stderr
   assert "--config.checkpoint_fallback=true" in proc.stderr and "Traceback" not in proc.stderr
-  assert steps_on_disk(workdir) == [4, 8, 12, 16, 20]  # nothing deleted
+  assert steps_on_disk(workdir) == [4, 8, 12]  # nothing deleted
   proc = run(workdir, "--config.checkpoint_fallback=true")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "checkpoint at step 20 is damaged" in proc.stdout and "resumed from" in proc.stdout
-  assert (workdir / "checkpoints" / "20.damaged").is_dir()  # kept for inspection
+  assert "checkpoint at step 12 is damaged" in proc.stdout and "resumed from" in proc.stdout
+  assert (workdir / "checkpoints" / "12.damaged").is_dir()  # kept for inspection
   assert losses(workdir) == losses(reference)
-  assert_params_equal(workdir, reference, 24)
+  assert_params_equal(workdir, reference, STEPS)
 
 
 def test_nan_stops_without_saving_it(tmp_path):
@@ -180,8 +181,8 @@ def test_nan_skip_mode_counts_and_carries_on(reference, tmp_path):
   proc = run(tmp_path, "--config.faults.nan_at_step=7", "--config.nonfinite=skip")
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [r.get("skipped_steps", 0) for r in rows if r["step"] in (6, 7, 24)] == [0, 1, 1]
-  params = restore_params(tmp_path, 24, steps=24)
+  assert [r.get("skipped_steps", 0) for r in rows if r["step"] in (6, 7, STEPS)] == [0, 1, 1]
+  params = restore_params(tmp_path, STEPS, steps=STEPS)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
   assert losses(tmp_path)[6] == losses(reference)[6] and losses(tmp_path)[8] != losses(reference)[8]
 
@@ -211,7 +212,7 @@ def test_watchdog_ends_a_run_whose_peer_stopped(tmp_path):
 
 def test_elastic_resume_one_to_two_processes_and_back(reference, tmp_path):
   shutil.copytree(reference, tmp_path / "a")
-  truncate_checkpoints(tmp_path / "a", 12)
+  truncate_checkpoints(tmp_path / "a", 8)
   proc = run(tmp_path / "a", processes=2, timeout=600)  # written by 1 x 8, resumed by 2 x 4
   assert proc.returncode == 0, proc.stderr[-3000:]
   ref = losses(reference)
@@ -219,12 +220,12 @@ def test_elastic_resume_one_to_two_processes_and_back(reference, tmp_path):
   assert sorted(got) == sorted(ref)
   np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=2e-5)
   shutil.copytree(tmp_path / "a", tmp_path / "b")
-  truncate_checkpoints(tmp_path / "b", 16)
+  truncate_checkpoints(tmp_path / "b", 12)
   proc = run(tmp_path / "b")  # written by 2 x 4, resumed by 1 x 8
   assert proc.returncode == 0, proc.stderr[-2000:]
   got = losses(tmp_path / "b")
   np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=2e-5)
-  assert_params_equal(tmp_path / "b", reference, 24, exact=False)
+  assert_params_equal(tmp_path / "b", reference, STEPS, exact=False)
 
 
 # Runs the train command with files capped at 1 MB: a checkpoint write then fails with EFBIG, like a full disk
