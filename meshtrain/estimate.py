@@ -104,6 +104,15 @@ def _optimizer_scalar_bytes(cfg, boxed, _cache={}) -> int:
   return _cache[key]
 
 
+def _pipeline_shape(cfg, stages: int) -> tuple[int, int, int]:
+  """(micro-batches M, passes R, loop iterations R*M + S - 1) of the pipeline schedule; (1, 1, 1) without stages."""
+  if stages == 1:
+    return 1, 1, 1
+  micro = cfg.pipeline.microbatches
+  repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+  return micro, repeats, repeats * micro + stages - 1
+
+
 def _local_model(cfg, tensor: int, experts: int) -> ModelConfig:
   """The model as one device of the tensor (and expert) split computes it."""
   m = ModelConfig.from_config(cfg.model)
@@ -124,7 +133,7 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   m, n_dev = cfg.model, math.prod(sizes.values())
   accum = cfg.optimizer.grad_accum_steps
   stages, tensor, shards = sizes["stage"], sizes["tensor"], sizes["sequence"]
-  micro = cfg.pipeline.microbatches if stages > 1 else 1
+  micro, repeats, iterations = _pipeline_shape(cfg, stages)
   batch_ways = math.prod(sizes[a] for a in mesh_lib.BATCH_AXES)
   b = cfg.batch_size // accum // batch_ways        # sequences per device per micro-step
   l = cfg.seq_len // shards                        # tokens of each sequence on a device
@@ -156,7 +165,7 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   gathered_layer = sum(r.bytes_per_device for r in _layer_rows(gathered)) // layers if sizes["fsdp"] > 1 else 0
   # A pipeline runs its layers M + S - 1 times per step (the fill and drain iterations too, on placeholder
   # rows), and autodiff keeps every run's residuals.
-  pipeline_runs = (cfg.pipeline.repeats * micro + stages - 1) / (cfg.pipeline.repeats * micro) if stages > 1 else 1
+  pipeline_runs = iterations / (repeats * micro)
   activations = layers * per_layer * pipeline_runs + recompute + logits + 2 * gathered_layer
 
   model_flops = perf.model_flops(cfg, table) * cfg.batch_size * cfg.seq_len / n_dev  # the work splits evenly
@@ -164,8 +173,7 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   # a third of the attention); save_dots keeps the projections but recomputes attention's batched dots.
   attention = perf.model_flops_per_token(m, cfg.seq_len, 0) * cfg.batch_size * cfg.seq_len / n_dev
   recomputed = {"none": 0.0, "save_dots": attention / 3, "full": model_flops / 3}[m.remat]
-  repeats = cfg.pipeline.repeats if stages > 1 and cfg.pipeline.schedule == "circular" else 1
-  bubble = (stages - 1) / (repeats * micro + stages - 1) if stages > 1 else 0.0
+  bubble = (stages - 1) / iterations
   return Estimate(
       sizes=dict(sizes), params_bytes_total=sum(r.size * r.dtype.itemsize for r in table),
       params_bytes_per_device=params_pd, optimizer_bytes_per_device=optimizer_pd,
@@ -211,9 +219,7 @@ def collectives(cfg, sizes, table, gathered, b: int, l: int, act: int) -> list[C
       out.append(Collective(kind, axes, int(count), int(nbytes), True))
 
   fsdp = sizes["fsdp"] > 1
-  micro = cfg.pipeline.microbatches if stages > 1 else 1
-  repeats = cfg.pipeline.repeats if stages > 1 and cfg.pipeline.schedule == "circular" else 1
-  iterations = repeats * micro + stages - 1 if stages > 1 else 1   # pipeline loop iterations (1: no pipeline)
+  micro, repeats, iterations = _pipeline_shape(cfg, stages)
   runs = iterations * layers // repeats  # times a device runs one of its layers, each on b / micro rows
   if sizes["data"] > 1 or fsdp:
     layer_grads = sum(r.bytes_per_device for r in _layer_rows(gathered))

@@ -14,7 +14,6 @@ actually compiled.
 import argparse
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import os
