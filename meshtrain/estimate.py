@@ -11,6 +11,7 @@ ranks every layout of a cluster with them. Nothing here allocates arrays or need
 """
 import dataclasses
 import functools
+import json
 import math
 
 import flax.linen as nn
@@ -95,13 +96,14 @@ def _block_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool)
   return total, stream
 
 
-def _optimizer_scalar_bytes(cfg, boxed, _cache={}) -> int:
-  key = (id(boxed), cfg.optimizer.to_json())
-  if key not in _cache:
-    state = jax.eval_shape(optim.make_optimizer(cfg.optimizer, cfg.steps).init, nn.meta.unbox(boxed))
-    _cache.clear()  # one model at a time: the cache only spares the planner re-tracing per layout
-    _cache[key] = sum(x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim == 0)
-  return _cache[key]
+@functools.lru_cache(maxsize=16)
+def _optimizer_scalar_bytes(optimizer_json: str, steps: int) -> int:
+  """Bytes of the optimizer's replicated scalar counters (step counts): they do not depend on the parameters, so
+  a one-leaf tree stands in for the model, and the planner traces this once per optimizer, not per layout."""
+  import ml_collections
+  tx = optim.make_optimizer(ml_collections.ConfigDict(json.loads(optimizer_json)), steps)
+  state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
+  return sum(x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim == 0)
 
 
 def _pipeline_shape(cfg, stages: int) -> tuple[int, int, int]:
@@ -142,7 +144,7 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
 
   params_pd = sum(r.bytes_per_device for r in table)
   # AdamW keeps two moments per parameter in the parameter dtype, and a few replicated scalar counters.
-  optimizer_pd = 2 * params_pd + _optimizer_scalar_bytes(cfg, boxed)
+  optimizer_pd = 2 * params_pd + _optimizer_scalar_bytes(cfg.optimizer.to_json(), cfg.steps)
   grads_pd = params_pd * (2 if accum > 1 else 1)   # accumulation keeps a running sum beside each micro-step's
   local = _local_model(cfg, tensor, sizes["expert"])
   per_layer, stream = (b * n for n in _block_residuals(local, l, fused_attention))
