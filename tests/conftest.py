@@ -2,12 +2,13 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# In-process tests compile many small programs and run each a few times: LLVM's expensive passes cost more than
-# they save (the flags are read once, when the backend starts below). Subprocesses (the train command run for
-# tens of steps) get the environment back unchanged, with optimised code. Numerics follow XLA's HLO either way.
+import xla_fast  # noqa: E402
+
+# In-process tests compile many small programs and run each a few times (see xla_fast; the flags are read once,
+# when the backend starts below). Subprocesses get the environment back unchanged, with optimised code, unless
+# they ask for xla_fast.env().
 _saved = os.environ.get("XLA_FLAGS")
-os.environ["XLA_FLAGS"] = " ".join(filter(None, (_saved, "--xla_backend_optimization_level=0",
-                                                 "--xla_llvm_disable_expensive_passes=true")))
+os.environ["XLA_FLAGS"] = xla_fast.env()["XLA_FLAGS"]
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

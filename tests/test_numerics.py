@@ -7,6 +7,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import xla_fast
 
 from meshtrain import config, layout as layout_lib, mesh as mesh_lib
 from meshtrain.parallel import pipeline
@@ -100,7 +101,7 @@ print("equal", losses)
 def test_four_axes_match_one_device():
   """data x fsdp x sequence x tensor (+ sequence parallelism) needs 16 devices: a process of its own."""
   proc = subprocess.run([sys.executable, "-c", FOUR_AXES], capture_output=True, text=True, timeout=600,
-                        cwd=pathlib.Path(__file__).parents[1])
+                        cwd=pathlib.Path(__file__).parents[1], env=xla_fast.env())
   assert proc.returncode == 0 and "equal" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -116,6 +116,8 @@ def test_sigint_to_one_of_two_processes_stops_both(tmp_path):
 
 
 def test_kill9_mid_save_resumes_from_last_complete_checkpoint(reference, tmp_path):
+  # A crash at any moment: the steps after the last complete checkpoint are recomputed, bit for bit, and the
+  # half-written one is ignored (a crash between saves is the same path without the half-written directory).
   proc = start(tmp_path)
   checkpoints = tmp_path / "checkpoints"
   deadline = time.monotonic() + 120
@@ -132,16 +134,6 @@ def test_kill9_mid_save_resumes_from_last_complete_checkpoint(reference, tmp_pat
   assert f"resumed from {checkpoints / str(last)}" in proc.stdout
   assert losses(tmp_path) == losses(reference)
   assert_params_equal(tmp_path, reference, STEPS)
-
-
-def test_kill9_mid_step_resumes_bitwise(reference, tmp_path):
-  proc = start(tmp_path)
-  wait_for_step(tmp_path, 10, proc)
-  proc.kill()
-  proc.wait()
-  proc = run(tmp_path)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert losses(tmp_path) == losses(reference)
 
 
 @pytest.mark.parametrize("damage", ["commit marker", "truncated data"])
