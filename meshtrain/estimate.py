@@ -3,8 +3,9 @@
 `python -m meshtrain.inspect` prints these expectations next to what XLA compiled; `python -m meshtrain.plan`
 ranks every layout of a cluster with them. Nothing here allocates arrays or needs the devices it describes:
   - parameter and optimizer bytes: the parameter table (shapes, logical axes) under the layout's rules;
-  - activation bytes: JAX's own residuals of one block (what the backward pass keeps under the remat policy),
-    traced at the per-device shapes, times the layers a device holds, plus the logits;
+  - activation bytes: JAX's own residuals of the layer stack (what the backward loop reads under the remat
+    policy, traced at the per-device shapes), per layer run, and on top of them the larger of the loss's logits
+    and one layer's backward working set (what XLA's buffer assignment keeps at the peak, see `estimate`);
   - collectives: derived layer by layer from what each split forces (listed in `collectives`);
   - step time: FLOPs at the device's peak; collective bytes over the link each one crosses (NVLink inside a
     node, the network across nodes), data/fsdp traffic overlapped with compute, the rest exposed.
@@ -17,6 +18,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 from jax.sharding import AbstractMesh
 
 from meshtrain import mesh as mesh_lib, optim, perf, sharding
@@ -33,7 +35,7 @@ class Estimate:
   params_bytes_per_device: int
   optimizer_bytes_per_device: int
   gradient_bytes_per_device: int       # gradients (and their accumulator with grad_accum_steps > 1)
-  activation_bytes_per_device: int     # saved for the backward pass, one layer's recompute, logits
+  activation_bytes_per_device: int     # residuals of every layer run, then one layer's backward or the logits
   batch_bytes_per_device: int          # the input and target tokens
   model_flops_per_step: float          # per device: 6N + attention, what MFU counts
   flops_per_step: float                # per device, including the recomputed forward of full remat
@@ -65,35 +67,66 @@ def rules_for_layout(cfg, sizes: dict):
   return mesh, sharding.for_mesh(sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel), mesh)
 
 
-@functools.lru_cache(maxsize=256)
-def _block_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool) -> tuple[int, int]:
-  """(bytes, of which residual-stream bytes) JAX keeps from one block's forward pass over one sequence for its
-  backward pass; every such tensor has a batch dimension, so b sequences keep b times as much.
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+  """Bytes per device that the forward pass of a scanned stack of blocks keeps for the backward pass."""
+  layer: int    # per layer and sequence: what the forward loop stacks, one slice per layer, for the backward loop
+  layer_fixed: int  # per layer, whatever the batch (broadcast norm scales)
+  stream: int   # of which residual-stream tensors ([l, D] per sequence)
+  shared: int   # per sequence, once for all layers: loop-invariant, from the positions alone (the causal mask)
+  fixed: int    # once, whatever the batch (the rotary tables)
 
-  Traced at per-device shapes (the caller shrinks heads and MLP width by the tensor split), so it follows the
-  remat policy, grouped-query attention and MoE without a hand-written formula. Parameters are not counted.
-  Fused attention (cuDNN flash attention on GPUs) keeps no [length, length] scores.
+
+@functools.lru_cache(maxsize=256)
+def _layer_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool, shards: int = 1) -> _Residuals:
+  """What JAX keeps from the forward pass of the layer stack for its backward pass, per device.
+
+  Traced the way the model runs: the gradient of a two-layer `nn.scan` of the (remat-wrapped) block, at per-device
+  heads and MLP width (the caller shrinks them by the tensor split); with the sequence split over `shards`
+  devices, through meshtrain's ring attention on an abstract mesh (everything the block keeps is split along the
+  sequence). The residuals are what the backward scan reads after dead code is
+  removed: the forward scan's stacked outputs, and its loop-invariant inputs, which JAX hoists out of the loop
+  and keeps once for all layers (the mask and rotary tables depend on the positions alone). So it follows the
+  remat policy, grouped-query attention, MoE and the ring without a hand-written formula; parameters are not
+  counted. Fused attention (cuDNN flash attention on GPUs) keeps no [L, L] scores.
   """
-  def apply(block):
-    return lambda p, x: block.apply(p, x, jnp.arange(length))[0]
-  plain = Block(model_cfg)
-  block = plain if model_cfg.remat == "none" else nn.remat(
-      Block, policy=REMAT_POLICIES[model_cfg.remat], prevent_cse=False)(model_cfg)
-  x = jax.ShapeDtypeStruct((1, length, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
-  params = jax.eval_shape(lambda: nn.meta.unbox(plain.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype),
-                                                          jnp.arange(length))))
-  param_shapes = {(p.shape, p.dtype) for p in jax.tree.leaves(params)}
-  saved = jax.eval_shape(lambda p, x: jax.vjp(apply(block), p, x)[1], params, x)
-  total = stream = 0
-  for leaf in jax.tree.leaves(saved):
-    if (leaf.shape, leaf.dtype) in param_shapes:
+  from jax._src.interpreters import partial_eval as pe  # jit's own dead-code elimination, not in the public API
+  block = Block if model_cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[model_cfg.remat],
+                                                            prevent_cse=False)
+  stack = nn.scan(block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
+                  length=2, metadata_params={nn.PARTITION_NAME: "layers"})(model_cfg)
+  L, D, dtype = length * shards, model_cfg.d_model, jnp.dtype(model_cfg.dtype)
+  sizes = {a: 1 for a in mesh_lib.AXES} | {"sequence": shards}
+  mesh = AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+  # A batch of p sequences, p a prime that divides no other dimension: a residual is per sequence iff p divides
+  # its size. (Concrete, not symbolic: a symbolic batch changes which residuals JAX keeps in the ring's conds.)
+  dims = (L, length, D, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, model_cfg.mlp_dim,
+          model_cfg.vocab_size, max(model_cfg.num_experts, 1), shards, max(shards - 1, 1))
+  batch = next(p for p in range(11, 1000, 2) if all(p % q for q in range(3, p, 2)) and all(d % p for d in dims))
+  # The parameters' shapes do not depend on the split sequence: taken outside the mesh (no ring to trace).
+  params = jax.eval_shape(lambda: nn.meta.unbox(stack.init(jax.random.key(0), jnp.zeros((1, L, D), dtype),
+                                                           jnp.arange(L))["params"]))
+  loss = lambda p, x: stack.apply({"params": p}, x, jnp.arange(L))[0].astype(jnp.float32).sum()
+  with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.for_mesh(sharding.rules_for("dp"), mesh)):
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jax.ShapeDtypeStruct((batch, L, D), dtype))
+  jaxpr = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0]
+  scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  backward, stacked_out = scans[-1], {v for e in scans[:-1] for v in e.outvars}
+  consts, carry = backward.params["num_consts"], backward.params["num_carry"]
+  layer = layer_fixed = stream = shared = fixed = 0
+  for i, v in enumerate(backward.invars):
+    if not isinstance(v, jcore.Var) or v in jaxpr.invars or consts <= i < consts + carry:
+      continue  # parameters, the input, the incoming cotangent
+    if fused_attention and v.aval.shape[-2:] == (L, L):
       continue
-    if fused_attention and leaf.shape[-2:] == (length, length):
-      continue
-    size = math.prod(leaf.shape) * leaf.dtype.itemsize
-    total += size
-    stream += size if leaf.shape == x.shape else 0
-  return total, stream
+    size = math.prod(v.aval.shape) * v.aval.dtype.itemsize
+    per_seq, once = (size // batch, 0) if size % batch == 0 else (0, size)
+    if i >= consts and v in stacked_out:             # [2 layers, b, ...]
+      layer, layer_fixed = layer + per_seq // 2, layer_fixed + once // 2
+      stream += per_seq // 2 if v.aval.shape[1:] == (batch, L, D) else 0
+    else:
+      shared, fixed = shared + per_seq, fixed + once
+  return _Residuals(layer // shards, layer_fixed // shards, stream // shards, shared // shards, fixed // shards)
 
 
 @functools.lru_cache(maxsize=16)
@@ -147,28 +180,63 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   optimizer_pd = 2 * params_pd + _optimizer_scalar_bytes(cfg.optimizer.to_json(), cfg.steps)
   grads_pd = params_pd * (2 if accum > 1 else 1)   # accumulation keeps a running sum beside each micro-step's
   local = _local_model(cfg, tensor, sizes["expert"])
-  per_layer, stream = (b * n for n in _block_residuals(local, l, fused_attention))
-  if cfg.sharding.sequence_parallel and tensor > 1:
-    per_layer -= stream - stream // tensor         # the residual stream is split over `tensor` as well
-  recompute = 0 if m.remat == "none" else b * _block_residuals(dataclasses.replace(local, remat="none"), l,
-                                                               fused_attention)[0]
-  if shards > 1:
-    # Ring attention is meshtrain's own JAX code (never a fused kernel): each of the n-1 further ring steps keeps
-    # its [l, l] tile of float32 scores and probabilities and the K/V block it received.
-    heads, kv = local.num_heads, local.num_kv_heads
-    ring = (shards - 1) * b * (2 * heads * l * l * 4 + 2 * l * kv * m.head_dim * act)
-    if m.remat == "none":
-      per_layer += ring
-    else:
-      recompute += ring
+
+  def residuals(model_cfg):
+    r = _layer_residuals(model_cfg, l, fused_attention, shards)
+    split = r.stream - r.stream // tensor if cfg.sharding.sequence_parallel and tensor > 1 else 0
+    return dataclasses.replace(r, layer=r.layer - split)  # the residual stream is split over `tensor` as well
+
+  kept = residuals(local)
+  rows = b // micro                                # sequences of one pipeline micro-batch (b without stages)
+  runs = iterations * layers // repeats            # layer runs per device and micro-step, fill and drain included
+  # The forward loop writes each layer run's residuals into buffers allocated for all runs before it starts (a
+  # pipeline keeps every iteration's, [T, P, b/M, ...]), and the backward loop reads them back: live from the
+  # first forward to the last backward, with the loop-invariant ones beside them once.
+  stacked = runs * (rows * kept.layer + kept.layer_fixed) + rows * kept.shared + kept.fixed
+  layer_weights = sum(r.bytes_per_device for r in _layer_rows(gathered)) // layers
+  if repeats > 1:
+    # The circular schedule picks each iteration's pass of weights with a gather inside the loop: to autodiff
+    # those are values of the iteration like any other, kept for every layer run.
+    stacked += runs * layer_weights
+  # The backward of one layer holds, at its peak, about one layer's residuals again: the slices it reads (XLA
+  # copies those it cannot fuse into their consumers) and the cotangents it writes. Under remat it holds the
+  # recomputed forward's residuals, and the cotangents beside them: the peak is in the MLP, where the gradients
+  # of the gate, up and hidden activations ([b, l, F] each) are live. Either way the layer's weights as it uses
+  # them (sliced out of the stacked parameters, gathered under FSDP), and the gradient of the residual stream
+  # that the backward loop carries from layer to layer, [b, l, D].
+  if m.remat == "none":
+    backward = rows * kept.layer
+  else:
+    rematerialized = residuals(dataclasses.replace(local, remat="none"))
+    backward = rows * (rematerialized.layer + 3 * l * local.mlp_dim * act)
+  backward += layer_weights + rows * l * m.d_model * act
+  pipeline = 0
+  if stages > 1:
+    # Each stage keeps its copy of the M-slot input store and the output slot, [M + 1, b/M, l, D].
+    pipeline = (micro + 1) * rows * l * m.d_model * act
+    passes = layers // repeats
+    if passes > 1:
+      # With more than one layer per stage and pass, each iteration's backward is a loop of its own (XLA drops a
+      # one-trip loop): its loop state copies that iteration's slice of the stacked residuals and the stage's
+      # weights, and carries the iteration's layer gradients until they join the running sum (counted with the
+      # gradients).
+      stage_weights = layer_weights * passes
+      pipeline += passes * rows * kept.layer + stage_weights
+      grads_pd += stage_weights
+  # The loss: float32 logits and their exponentials, [b, l, V] each (XLA writes the logits' gradient over the
+  # latter), and that gradient cast to the compute dtype for the head's matmuls unless that is float32; all freed
+  # before the layers' backward.
   vocab_local = m.vocab_size // tensor if m.vocab_size % tensor == 0 else m.vocab_size
-  logits = 3 * b * l * vocab_local * 4             # float32 logits, their softmax and their gradient
-  # FSDP holds one layer's gathered weights for the forward and one for the backward use at any time.
-  gathered_layer = sum(r.bytes_per_device for r in _layer_rows(gathered)) // layers if sizes["fsdp"] > 1 else 0
-  # A pipeline runs its layers M + S - 1 times per step (the fill and drain iterations too, on placeholder
-  # rows), and autodiff keeps every run's residuals.
-  pipeline_runs = iterations / (repeats * micro)
-  activations = layers * per_layer * pipeline_runs + recompute + logits + 2 * gathered_layer
+  logits = b * l * vocab_local * (2 * 4 + (act if act < 4 else 0))
+  # The gradients (zeroed at the start of the step) and the stacked residuals are live throughout; the peak is
+  # the larger of the loss and one layer's backward on top of them.
+  # Not counted: XLA copies every AdamW moment at the start of the step (its parameter-update fusion recomputes
+  # the new moments from the old ones, while another fusion writes the new moments into the donated buffers), 2x
+  # the parameters of temporaries, but reuses the freed moment buffers for the step's other temporaries. Each
+  # freed buffer holds one temporary at a time, so part of it can stay empty: XLA's figure is higher by that
+  # (0.1-2 MB on the tiny model's layouts, up to 7% of the total; more where the moments are large next to the
+  # activations, 18% with a 32K vocabulary).
+  activations = stacked + pipeline + max(backward, logits)
 
   model_flops = perf.model_flops(cfg, table) * cfg.batch_size * cfg.seq_len / n_dev  # the work splits evenly
   # Recomputed in the backward pass: full remat the whole forward (2 of the 6 FLOPs per parameter and token, and
