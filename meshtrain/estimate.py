@@ -199,16 +199,18 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
     # those are values of the iteration like any other, kept for every layer run.
     stacked += runs * layer_weights
   # The backward of one layer holds, at its peak, about one layer's residuals again: the slices it reads (XLA
-  # copies those it cannot fuse into their consumers) and the cotangents it writes. Under remat it holds the
-  # recomputed forward's residuals, and the cotangents beside them: the peak is in the MLP, where the gradients
-  # of the gate, up and hidden activations ([b, l, F] each) are live. Either way the layer's weights as it uses
+  # copies those it cannot fuse into their consumers) and the cotangents it writes, the peak being in the MLP,
+  # where the gradients of the gate, up and hidden activations ([b, l, F] each) are live. Under remat it holds
+  # the recomputed forward's residuals (gate and up among them) and, from XLA's buffer assignment at that peak,
+  # six more [b, l, F] arrays: the hidden gradient, sigmoid(gate), the three products of the SwiGLU backward and
+  # the transposed copy its weight-gradient matmul reads. Either way the layer's weights as it uses
   # them (sliced out of the stacked parameters, gathered under FSDP), and the gradient of the residual stream
   # that the backward loop carries from layer to layer, [b, l, D].
   if m.remat == "none":
-    backward = rows * kept.layer
+    backward = rows * (kept.layer + 3 * l * local.mlp_dim * act)
   else:
     rematerialized = residuals(dataclasses.replace(local, remat="none"))
-    backward = rows * (rematerialized.layer + 3 * l * local.mlp_dim * act)
+    backward = rows * (rematerialized.layer + 6 * l * local.mlp_dim * act)
   backward += layer_weights + rows * l * m.d_model * act
   pipeline = 0
   if stages > 1:

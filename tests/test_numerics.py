@@ -192,3 +192,20 @@ def test_sequence_parallel_splits_the_residual_stream():
     return len(re.findall(r"= f32\[8,64,128\]\{[0-9,]+\} all-gather(-start)?\(", text))
   assert activation_gathers(False) == 0
   assert activation_gathers(True) >= 4  # at least attention and MLP inputs of both layers, forward
+
+
+def test_swiglu_gradient_equals_autodiff_and_keeps_two_arrays():
+  """The hand-written SwiGLU backward (meshtrain/models/activations.py) equals autodiff of silu(g) * u, and keeps
+  only its two inputs for the backward pass (autodiff keeps more arrays of that shape)."""
+  from meshtrain.models.activations import swiglu
+  rng = np.random.default_rng(0)
+  g, u, dh = (jax.numpy.asarray(rng.normal(scale=3.0, size=(2, 8, 16)), jax.numpy.float32) for _ in range(3))
+  reference = lambda g, u: jax.nn.silu(g) * u
+  out, vjp = jax.vjp(swiglu, g, u)
+  ref_out, ref_vjp = jax.vjp(reference, g, u)
+  np.testing.assert_array_equal(out, ref_out)
+  for got, want in zip(vjp(dh), ref_vjp(dh)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  kept = lambda f: [x for x in jax.tree.leaves(jax.eval_shape(lambda g, u: jax.vjp(f, g, u)[1], g, u))
+                    if x.shape == g.shape]
+  assert len(kept(swiglu)) == 2 and len(kept(reference)) > 2

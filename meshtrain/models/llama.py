@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain import sharding
+from meshtrain.models.activations import swiglu
 from meshtrain.models.moe import MoEConfig, MoEMLP
 from meshtrain.models.params import FanIn, param
 from meshtrain.parallel import context, pipeline
@@ -182,7 +183,7 @@ class MLP(nn.Module):
     w_down = param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), out_std, c.param_dtype, c.init, FanIn())
     gate_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, w_gate.astype(c.dtype))
     up_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, w_up.astype(c.dtype))
-    h_BLF = nn.with_logical_constraint(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_len", "act_mlp"))
+    h_BLF = nn.with_logical_constraint(swiglu(gate_BLF, up_BLF), ("act_batch", "act_len", "act_mlp"))
     return jnp.einsum("BLF,FD->BLD", h_BLF, w_down.astype(c.dtype))
 
 

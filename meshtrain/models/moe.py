@@ -37,6 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from meshtrain.models.activations import swiglu
 from meshtrain.models.params import FanIn, param
 
 AUX_NAMES = ("load_balance_loss", "router_z_loss", "dropped_fraction", "aux_loss")
@@ -153,7 +154,7 @@ class MoEMLP(nn.Module):
     x_XGCD = nn.with_logical_constraint(x_XGCD, ("act_expert", "act_batch", None, "act_embed"))
     gate_XGCF = jnp.einsum("XGCD,XDF->XGCF", x_XGCD, w_gate.astype(c.dtype))
     up_XGCF = jnp.einsum("XGCD,XDF->XGCF", x_XGCD, w_up.astype(c.dtype))
-    h_XGCF = nn.with_logical_constraint(jax.nn.silu(gate_XGCF) * up_XGCF, ("act_expert", "act_batch", None, "act_mlp"))
+    h_XGCF = nn.with_logical_constraint(swiglu(gate_XGCF, up_XGCF), ("act_expert", "act_batch", None, "act_mlp"))
     y_XGCD = jnp.einsum("XGCF,XFD->XGCD", h_XGCF, w_down.astype(c.dtype))
     y_XGCD = nn.with_logical_constraint(y_XGCD, ("act_expert", "act_batch", None, "act_embed"))
     # And back: the combine contracts X and C, so its result is laid out by group again (second all-to-all).
