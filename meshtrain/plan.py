@@ -306,12 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     hw = dataclasses.replace(hw, node_bw=args.node_bw * GB or hw.node_bw, network_bw=args.network_bw * GB or hw.network_bw)
     hbm = args.hbm * GB or hw.hbm_bytes
     # GPUs run attention as one fused kernel (no [L, L] scores kept) in bf16; XLA on the CPU materialises them.
-    fused = args.gpu != "cpu" and cfg.model.dtype == "bfloat16" and cfg.model.attention in ("auto", "cudnn")
+    bf16_on_gpu = args.gpu != "cpu" and cfg.model.dtype == "bfloat16"
+    fused = bf16_on_gpu and cfg.model.attention in ("auto", "cudnn")
     rows, seen = rank(cfg, args.devices, args.nodes, hw, hbm, fused, overlap=not args.no_overlap)
     if not rows:
       raise UserError(f"none of the {seen} layouts of this model fits in {hbm / GB:g} GB per device on "
                       f"{args.devices} devices; use more devices, a smaller batch_size or seq_len")
-    bf16_on_gpu = args.gpu != "cpu" and cfg.model.dtype == "bfloat16"
     checked = verify(cfg, rows, args.verify, hw, hbm, not args.no_overlap,
                      pathlib.Path(os.path.expanduser(args.cache)), bf16_on_gpu)
   except UserError as e:
