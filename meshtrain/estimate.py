@@ -112,6 +112,16 @@ def _layer_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool,
   jaxpr = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0]
   scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
   backward, stacked_out = scans[-1], {v for e in scans[:-1] for v in e.outvars}
+  # XLA makes a reshape a bitcast of its operand: stacked residuals that are reshapes of one value inside the
+  # forward loop (the model's projections flatten [b, l, D] to [b*l, D], once per projection) share one buffer.
+  source = {}
+  for e in scans[:-1]:
+    body = e.params["jaxpr"].jaxpr
+    reshaped = {q.outvars[0]: q.invars[0] for q in body.eqns if q.primitive.name == "reshape"}
+    for outer, inner in zip(e.outvars, body.outvars):
+      source[outer] = (reshaped.get(inner, inner), tuple(inner.aval.shape) if inner not in reshaped else
+                       tuple(reshaped[inner].aval.shape))
+  seen = set()
   consts, carry = backward.params["num_consts"], backward.params["num_carry"]
   layer = layer_fixed = stream = shared = fixed = 0
   for i, v in enumerate(backward.invars):
@@ -119,11 +129,15 @@ def _layer_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool,
       continue  # parameters, the input, the incoming cotangent
     if fused_attention and v.aval.shape[-2:] == (L, L):
       continue
+    origin, shape = source.get(v, (v, tuple(v.aval.shape[1:])))
+    if origin in seen:
+      continue
+    seen.add(origin)
     size = math.prod(v.aval.shape) * v.aval.dtype.itemsize
     per_seq, once = (size // batch, 0) if size % batch == 0 else (0, size)
     if i >= consts and v in stacked_out:             # [2 layers, b, ...]
       layer, layer_fixed = layer + per_seq // 2, layer_fixed + once // 2
-      stream += per_seq // 2 if v.aval.shape[1:] == (batch, L, D) else 0
+      stream += per_seq // 2 if shape == (batch, L, D) else 0
     else:
       shared, fixed = shared + per_seq, fixed + once
   return _Residuals(layer // shards, layer_fixed // shards, stream // shards, shared // shards, fixed // shards)

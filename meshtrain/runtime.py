@@ -28,11 +28,15 @@ GPU_XLA_FLAGS = (
     "--xla_gpu_enable_pipelined_all_reduce=true",
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
+# Simulated CPU devices are threads of one process sharing the host's cores. XLA aborts the process when a device
+# waits over 40 s for the others at a collective; on a busy 2-core host a device thread can be starved that long
+# (seen once with 60 steps queued, once in CI). A real hang is still caught, by the watchdog or this limit.
+CPU_XLA_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",)
 
 
 def xla_flags(extra: str, environment: str) -> str:
   """meshtrain's defaults, then the user's XLA_FLAGS, then the config's `xla_flags`: later flags win."""
-  return " ".join(part for part in (" ".join(GPU_XLA_FLAGS), environment, extra) if part)
+  return " ".join(part for part in (" ".join(GPU_XLA_FLAGS + CPU_XLA_FLAGS), environment, extra) if part)
 
 
 def _cluster_settings(dist_cfg) -> dict | None:

@@ -6,7 +6,11 @@ other bit for bit (tests/test_recovery.py) keep the default, optimised code. Num
 """
 import os
 
-FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+from meshtrain.runtime import CPU_XLA_FLAGS
+
+# The collective timeout (see meshtrain.runtime) matters most here: two pytest workers and their subprocesses
+# share 2 cores, and CI once lost a worker to XLA's 40 s abort.
+FLAGS = " ".join(("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true") + CPU_XLA_FLAGS)
 
 
 def env() -> dict:
