@@ -180,13 +180,14 @@ def test_nan_skip_mode_counts_and_carries_on(reference, tmp_path):
 
 
 def test_watchdog_ends_a_run_whose_peer_stopped(tmp_path):
-  proc = start(tmp_path, "--config.watchdog_s=15", processes=2)  # > any healthy phase on 2 busy cores
+  # > any healthy phase on 2 busy cores: 15 s was once exceeded before step 6 with the whole suite running
+  proc = start(tmp_path, "--config.watchdog_s=30", processes=2)
   wait_for_step(tmp_path, 6, proc, timeout=180)  # past the step-4 checkpoint
   stopped = child_pid(tmp_path, 1)
   os.kill(stopped, signal.SIGSTOP)  # a hung host: alive, silent, inside a collective for its peers
   t0 = time.monotonic()
   try:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while not (tmp_path / "diagnostics" / "hang-process0.txt").exists():
       assert time.monotonic() < deadline, "the watchdog never fired"
       time.sleep(0.2)
@@ -195,7 +196,7 @@ def test_watchdog_ends_a_run_whose_peer_stopped(tmp_path):
     os.kill(stopped, signal.SIGKILL)
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 4, err[-2000:]
-  assert detected < 15 + 10
+  assert detected < 30 + 10
   text = (tmp_path / "diagnostics" / "hang-process0.txt").read_text()
   assert "no progress for" in text and "phase:" in text and "Thread" in text and "train.py" in text
   assert "made no progress" in err and "exited with code 4" in err
