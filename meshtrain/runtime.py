@@ -28,9 +28,10 @@ GPU_XLA_FLAGS = (
     "--xla_gpu_enable_pipelined_all_reduce=true",
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
-# Simulated CPU devices are threads of one process sharing the host's cores. XLA aborts the process when a device
-# waits over 40 s for the others at a collective; on a busy 2-core host a device thread can be starved that long
-# (seen once with 60 steps queued, once in CI). A real hang is still caught, by the watchdog or this limit.
+# Simulated CPU devices are threads of one process sharing the host's cores. XLA aborts the process (SIGABRT) when
+# a device has waited 60 s for the others at a collective (a 20 s warning, then 40 s more; checked here with one
+# device held in a callback for 130 s); on a busy 2-core host a device thread can be starved that long (seen once
+# with 60 steps queued, and a CI worker died that way). A real hang is still caught, by the watchdog or this limit.
 CPU_XLA_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",)
 
 
