@@ -209,3 +209,15 @@ def test_swiglu_gradient_equals_autodiff_and_keeps_two_arrays():
   kept = lambda f: [x for x in jax.tree.leaves(jax.eval_shape(lambda g, u: jax.vjp(f, g, u)[1], g, u))
                     if x.shape == g.shape]
   assert len(kept(swiglu)) == 2 and len(kept(reference)) > 2
+
+
+def test_weight_gradients_read_activations_without_a_transposed_copy():
+  """The projections contract the tokens as one axis (`dense` in meshtrain/models/llama.py), so XLA's CPU backend
+  takes each weight-gradient matmul's activation operand as transposed in place. On [B, L, D] einsums it copied
+  the [b, l, F] gradient into [F, b, l] order with the SwiGLU backward fused in: two such transposes per layer,
+  ~40% of a one-device step. Weight transposes ([D, F]) are fine: D differs from the sequence length here."""
+  cfg = tiny_config({"data": 8}, "dp")
+  text = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), PAD_ID).compile_train_step().as_text()
+  shapes = [[int(d) for d in dims.split(",")] for dims in re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]+\} transpose\(", text)]
+  mlp = [s for s in shapes if cfg.model.mlp_dim in s]  # weights [D, F] = [128, 512]; before: also [512, 2, 64]
+  assert mlp and [s for s in mlp if cfg.seq_len in s] == []

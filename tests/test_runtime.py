@@ -59,6 +59,8 @@ def test_user_flags_come_after_meshtrain_defaults():
   flags = runtime.xla_flags("--xla_gpu_enable_latency_hiding_scheduler=false", "--xla_dump_to=/tmp/x").split()
   assert flags[0].startswith("--xla_gpu_enable_latency_hiding_scheduler=true")
   assert flags[-2:] == ["--xla_dump_to=/tmp/x", "--xla_gpu_enable_latency_hiding_scheduler=false"]
+  # Simulated CPU devices on a busy host must not hit XLA's 60 s collective abort (see runtime.CPU_XLA_FLAGS).
+  assert "--xla_cpu_collective_call_terminate_timeout_seconds=600" in flags
 
 
 def test_cluster_examples_are_well_formed():
