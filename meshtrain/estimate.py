@@ -119,8 +119,8 @@ def _layer_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool,
     body = e.params["jaxpr"].jaxpr
     reshaped = {q.outvars[0]: q.invars[0] for q in body.eqns if q.primitive.name == "reshape"}
     for outer, inner in zip(e.outvars, body.outvars):
-      source[outer] = (reshaped.get(inner, inner), tuple(inner.aval.shape) if inner not in reshaped else
-                       tuple(reshaped[inner].aval.shape))
+      origin = reshaped.get(inner, inner)
+      source[outer] = (origin, tuple(origin.aval.shape))
   seen = set()
   consts, carry = backward.params["num_consts"], backward.params["num_carry"]
   layer = layer_fixed = stream = shared = fixed = 0
