@@ -22,6 +22,7 @@ SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_head
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
+ATTENTION = ("auto", "blocked", "xla", "cudnn")  # meshtrain/models/attention.py (likewise)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -187,7 +188,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   _check_choice("model.remat", m.remat, REMAT_POLICIES)
   _check_choice("model.dtype", m.dtype, DTYPES)
   _check_choice("model.param_dtype", m.param_dtype, DTYPES)
-  _check_choice("model.attention", m.attention, ("xla", "cudnn", "auto"))
+  _check_choice("model.attention", m.attention, ATTENTION)
   _check_choice("model.context_attention", m.context_attention, ("ring", "allgather"))
   _check_choice("model.init", m.init, INITS)
   if m.num_experts < 0 or (m.num_experts and not 1 <= m.experts_per_token <= m.num_experts):

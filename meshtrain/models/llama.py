@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain import sharding
+from meshtrain.models import attention
 from meshtrain.models.activations import swiglu
 from meshtrain.models.moe import MoEConfig, MoEMLP
 from meshtrain.models.params import FanIn, param
@@ -181,9 +182,7 @@ class Attention(nn.Module):
       o_BLHE = context.sequence_sharded_attention(q_BLHE, k_BLKE, v_BLKE, pos_BL, mesh=jax.sharding.get_abstract_mesh(),
                                                   axis_name=axis, impl=c.context_attention, causal=True)
     else:
-      # One call for grouped-query causal attention: on GPUs with bf16 it can pick cuDNN's fused kernel.
-      impl = None if c.attention == "auto" else c.attention
-      o_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation=impl)
+      o_BLHE = attention.causal_attention(q_BLHE, k_BLKE, v_BLKE, c.attention)
     o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
     return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D")
 
