@@ -178,7 +178,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if value <= 0:
       raise UserError(f"config key {key!r} must be positive, got {value}")
   non_negative = {"eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every, "watchdog_s": cfg.watchdog_s,
-                  "optimizer.warmup_steps": cfg.optimizer.warmup_steps}
+                  "optimizer.warmup_steps": cfg.optimizer.warmup_steps, "model.scan_unroll": cfg.model.scan_unroll}
   for key, value in non_negative.items():
     if value < 0:
       raise UserError(f"config key {key!r} must be >= 0, got {value}")
@@ -191,6 +191,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   _check_choice("model.attention", m.attention, ATTENTION)
   _check_choice("model.context_attention", m.context_attention, ("ring", "allgather"))
   _check_choice("model.init", m.init, INITS)
+  if m.scan_unroll > 1 and m.remat != "none":
+    raise UserError(f"model.scan_unroll={m.scan_unroll} with model.remat={m.remat}: XLA schedules the recomputation of "
+                    "unrolled layers next to the forward pass it repeats, so remat would save no memory; use "
+                    "model.scan_unroll=0 (auto) or 1")
+  if m.scan_unroll > 1 and cfg.mesh.sequence != 1:
+    raise UserError(f"model.scan_unroll={m.scan_unroll} with mesh.sequence={cfg.mesh.sequence}: unrolled ring-attention "
+                    "layers loaded from the persistent compilation cache deadlock on the CPU; use "
+                    "model.scan_unroll=0 (auto) or 1")
   if m.num_experts < 0 or (m.num_experts and not 1 <= m.experts_per_token <= m.num_experts):
     raise UserError(f"model.num_experts={m.num_experts}, model.experts_per_token={m.experts_per_token}: use "
                     "num_experts=0 (dense MLP) or 1 <= experts_per_token <= num_experts")

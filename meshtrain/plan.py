@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     # GPUs run attention as one fused kernel (no [L, L] scores kept) in bf16; XLA on the CPU materialises them.
     bf16_on_gpu = args.gpu != "cpu" and cfg.model.dtype == "bfloat16"
     fused = bf16_on_gpu and cfg.model.attention in ("auto", "cudnn")
+    if args.gpu != "cpu" and cfg.model.attention == "auto":
+      # What "auto" runs on a GPU (meshtrain/models/attention.py), not what it runs on the CPU tracing here
+      # (query blocks): jax.nn.dot_product_attention, whose [L, L] scores a fused kernel then leaves out.
+      cfg.model.attention = "xla"
     rows, seen = rank(cfg, args.devices, args.nodes, hw, hbm, fused, overlap=not args.no_overlap)
     if not rows:
       raise UserError(f"none of the {seen} layouts of this model fits in {hbm / GB:g} GB per device on "
