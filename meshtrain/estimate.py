@@ -9,9 +9,10 @@ ranks every layout of a cluster with them. Nothing here allocates arrays or need
   - collectives: derived layer by layer from what each split forces (listed in `collectives`);
   - step time: FLOPs at the device's peak; collective bytes over the link each one crosses (NVLink inside a
     node, the network across nodes), data/fsdp traffic overlapped with compute, the rest exposed.
-All of it describes the scanned layer loop. A shallow stack that `model.scan_unroll` unrolls moves the same
-collective bytes, in as many ops as XLA's combiner makes, and needs no stacked buffers: 0.90-0.99 of the
-loop's predicted memory on the tiny layouts (tests/test_inspect.py), so the prediction stays an upper bound.
+All of it describes the scanned layer loop. A shallow stack that `model.scan_unroll` unrolls reduces the same
+gradient bytes, in as many ops as XLA's combiner makes, may gather fewer (a weight gathered for the forward pass
+reused in the backward one), and needs no stacked buffers: 0.89-0.96 of the loop's predicted memory on the tiny
+layouts (tests/test_inspect.py), so the prediction stays an upper bound.
 """
 import dataclasses
 import functools

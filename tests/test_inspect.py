@@ -77,15 +77,19 @@ def test_collective_counts_equal_hand_derived_counts(name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_unrolled_layers_stay_within_the_layer_loop_model(name):
   # Tiny's default: its 4 layers unrolled (model.scan_unroll=0, no remat). The analytic model describes the loop;
-  # unrolled, XLA moves the same bytes, in as many collectives as its combiner makes of them (data=8: one
+  # unrolled, XLA reduces the same gradient bytes, in as many collectives as its combiner makes (data=8: one
   # gradient all-reduce instead of 5; fsdp=8: 9 all-reduces instead of 7), and
-  # needs no stacked residual buffers or sliced copies: memory 0.97 / 0.99 / 0.90 of the loop's prediction on
+  # needs no stacked residual buffers or sliced copies: memory 0.95 / 0.96 / 0.89 of the loop's prediction on
   # these layouts. So the model stays an upper bound, and a close one.
   r = compiled(TINY, *LAYOUTS[name])
   expected = {(c.kind, c.axes): c for c in r.expected.collectives}
   assert {(c.kind, c.axes) for c in r.collectives} == set(expected)
   for c in r.collectives:
-    assert c.bytes == pytest.approx(expected[(c.kind, c.axes)].bytes, rel=1e-3)
+    # At most the loop's bytes: with nothing between them, XLA may reuse a weight gathered for the forward pass in
+    # the backward one (fsdp=8: 7.3 of 8.1 MB of all-gathers); every gradient byte is still reduced.
+    assert c.bytes <= expected[(c.kind, c.axes)].bytes * (1 + 1e-3)
+    if c.kind == "all-reduce":
+      assert c.bytes == pytest.approx(expected[(c.kind, c.axes)].bytes, rel=1e-3)
   merged = {(c.kind, c.axes): c.count for c in r.collectives}
   if name == "data=8":
     assert merged == {("all-reduce", ("data",)): 1}  # one gradient all-reduce for the whole model

@@ -136,6 +136,12 @@ def dense(x, w, features: str):
   x_in, w_in = inputs.split(",")
   if context_axis():  # the sequence is split over devices: merging it with the batch would reshard (all-gathers)
     return jnp.einsum(f"BL{x_in},{w_in}->BL{out}", x, w)
+  if w_in == x_in + out:
+    # Heads as well ([D, H, E] -> [D, H*E], [H, E, D] -> [H*E, D]): a plain [T, K] x [K, N] matmul. On the 3-d
+    # form XLA's CPU backend copied each [T, H, E] gradient into [H*E, T] order for the weight gradient.
+    k = math.prod(x.shape[2:])
+    y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
+    return y.reshape(*x.shape[:2], *w.shape[len(x_in):])
   y = jnp.einsum(f"T{x_in},{w_in}->T{out}", x.reshape(-1, *x.shape[2:]), w)
   return y.reshape(*x.shape[:2], *y.shape[1:])
 
