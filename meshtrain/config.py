@@ -8,7 +8,12 @@ mistake is a `UserError` naming the key.
 import ast
 import difflib
 import importlib.util
+import inspect
+import math
+import os
 import pathlib
+import re
+import traceback
 
 import ml_collections
 
@@ -23,6 +28,26 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
 ATTENTION = ("auto", "blocked", "xla", "cudnn")  # meshtrain/models/attention.py (likewise)
+# Simulated CPU devices in one process, at most: the largest cluster `python -m meshtrain.inspect` compiles for.
+# Each costs host memory before anything runs (JAX start-up alone: 158 MB at 8 devices, 573 MB at 4,096, measured on
+# the CI machine) and every compile grows with the count; 100,000 ran silently past 5 GB.
+MAX_CPU_DEVICES = 4096
+# The shortest hang watchdog (watchdog_s; 0 = off). The watchdog exists only once everything is compiled, and the
+# loop beats before each batch, each dispatch, each metrics fetch, each evaluation batch and each save, but between
+# two beats it legitimately blocks for up to two queued steps (the host runs two steps ahead), the wait at a
+# collective for the slowest peer, an evaluation's final fetch, a profiler trace being written, or a checkpoint
+# commit. XLA's own CPU collectives treat a 20 s wait for a peer as normal (they warn only after it), so a limit
+# below 30 s would declare healthy runs hung and blame a dead peer that is not dead.
+MIN_WATCHDOG_S = 30.0
+# Seeds are 32-bit: JAX's default PRNG keeps the low 32 bits, so seed 2**32 initialises exactly like seed 0.
+MAX_SEED = 2**32 - 1
+# A TFDS dataset name, as tensorflow_datasets.core.naming._NAME_REG (not imported here: TFDS is slow to import):
+# [namespace:]name[/config][:major.minor.patch][/kwargs].
+_TFDS_NAME = re.compile(r"^(?:[\w\-]+:)?[a-zA-Z]\w*(?:/[\w+\-.]+)?(?::(?:\d+|\*)(?:\.(?:\d+|\*)){2})?"
+                        r"(?:/(?:\w+=[^,\s]+,?)+)?$")
+# The input pipeline holds, per process, 3 batches of its rows (2 prefetched, 1 in use: data.Prefetcher), each
+# as int32 inputs, targets and the packed [rows, seq_len + 1] array they are cut from: 3 x 3 x 4 bytes per token.
+BATCH_BUFFER_BYTES_PER_TOKEN = 3 * 3 * 4
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -105,26 +130,156 @@ def base_config() -> ml_collections.ConfigDict:
 
 def load(path: str, overrides: list[str]) -> ml_collections.ConfigDict:
   """Loads `path` (a Python file with `get_config()`), applies `--config.a.b=value` overrides, validates."""
-  file = pathlib.Path(path)
-  if not file.is_file():
-    raise UserError(f"config file {path!r} does not exist; pass a Python file such as configs/tiny.py")
-  spec = importlib.util.spec_from_file_location(f"meshtrain_config_{file.stem}", file)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise UserError(f"config file {path!r} has no get_config() function")
-  cfg = module.get_config()
+  cfg = from_file(path)
+  overridden = set()
   for item in overrides:
-    apply_override(cfg, item)
+    overridden.add(apply_override(cfg, item))
   validate(cfg)
+  _check_step_fields(cfg, overridden)
   cfg.lock()
   return cfg
 
 
-def apply_override(cfg: ml_collections.ConfigDict, item: str) -> None:
-  """Applies one `--config.a.b=value`; the value is converted to the type the field already has."""
+def _one_line(text: str, limit: int = 400) -> str:
+  text = " ".join(str(text).split())
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _failure(path: str, origin: str, what: str, error: BaseException) -> UserError:
+  """`error` raised by the config file's own code, as one line naming the file's line that raised it."""
+  lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if f.filename == origin]
+  where = f" (line {lines[-1]})" if lines else ""
+  message = _one_line(error) or "(no message)"
+  return UserError(f"config file {path!r}{where} raised {type(error).__name__} {what}: {message}; fix the file "
+                   "(configs/tiny.py shows the expected shape: get_config() returning base_config() with changes)")
+
+
+def from_file(path: str) -> ml_collections.ConfigDict:
+  """The ConfigDict `get_config()` of the Python file `path` returns, checked against `base_config()`'s fields."""
+  file = pathlib.Path(path)
+  if not path.strip():
+    raise UserError("--config is empty; pass a Python config file such as configs/tiny.py")
+  if file.is_dir():
+    found = sorted(str(p) for p in file.glob("*.py") if p.name != "__init__.py")
+    raise UserError(f"config {path!r} is a directory; pass one of its files: {', '.join(found)}" if found else
+                    f"config {path!r} is a directory with no .py files; pass a Python file such as configs/tiny.py")
+  if not file.is_file():
+    hint = ""
+    if file.parent.is_dir():
+      near = difflib.get_close_matches(file.name, [p.name for p in file.parent.glob("*.py")], n=3)
+      hint = f" (did you mean {', '.join(repr(str(file.parent / n)) for n in near)}?)" if near else ""
+    raise UserError(f"config file {path!r} does not exist{hint}; pass a Python file such as configs/tiny.py")
+  if file.suffix != ".py":
+    raise UserError(f"config file {path!r} is not a Python file (.py); pass a .py file whose get_config() returns "
+                    "the config, such as configs/tiny.py")
+  spec = importlib.util.spec_from_file_location(f"meshtrain_config_{file.stem}", file)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except UserError:
+    raise
+  except SyntaxError as e:
+    if e.filename == spec.origin:
+      code = f" ({_one_line(e.text, 120)!r})" if e.text and e.text.strip() else ""
+      raise UserError(f"config file {path!r} has a syntax error at line {e.lineno}: {e.msg}{code}; fix the "
+                      "file") from None
+    raise _failure(path, spec.origin, "while it was imported", e) from None
+  except (Exception, SystemExit) as e:  # pylint: disable=broad-except
+    raise _failure(path, spec.origin, "while it was imported", e) from None
+  get_config = getattr(module, "get_config", None)
+  if get_config is None:
+    raise UserError(f"config file {path!r} has no get_config() function; define one that returns the config, "
+                    "as configs/tiny.py does")
+  if not callable(get_config):
+    raise UserError(f"get_config in config file {path!r} is a {type(get_config).__name__}, not a function; define "
+                    "def get_config(): returning the config, as configs/tiny.py does")
+  try:
+    signature = inspect.signature(get_config)
+  except (TypeError, ValueError):
+    signature = None
+  kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  if signature and any(p.default is p.empty and p.kind in kinds for p in signature.parameters.values()):
+    raise UserError(f"get_config{signature} in config file {path!r} needs arguments, but meshtrain calls "
+                    "get_config() without any (absl's file.py:ARG form is not supported); give them defaults, or "
+                    "drop them and use --config.KEY=VALUE overrides")
+  try:
+    cfg = get_config()
+  except UserError:
+    raise
+  except (Exception, SystemExit) as e:  # pylint: disable=broad-except
+    raise _failure(path, spec.origin, "in get_config()", e) from None
+  if isinstance(cfg, ml_collections.FrozenConfigDict):
+    cfg = ml_collections.ConfigDict(cfg)  # overrides need a mutable copy
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    raise UserError(f"get_config() in config file {path!r} returned {type(cfg).__name__}, not an "
+                    "ml_collections.ConfigDict; return meshtrain.config.base_config() with your changes, as "
+                    "configs/tiny.py does (c = base_config(); c.steps = ...; return c)")
+  _check_fields(cfg, base_config(), f"get_config() in config file {path!r}")
+  return cfg
+
+
+def _type_name(value) -> str:
+  if isinstance(value, ml_collections.ConfigDict):
+    return "a group of fields"
+  if isinstance(value, bool):
+    return "true or false"
+  return {int: "an integer", float: "a number", str: "a string"}.get(type(value), type(value).__name__)
+
+
+def _fits_type(value, default) -> bool:
+  if isinstance(default, ml_collections.ConfigDict):
+    return isinstance(value, ml_collections.ConfigDict)
+  if isinstance(default, bool) or isinstance(value, bool):
+    return isinstance(value, bool) and isinstance(default, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float))
+  return type(value) is type(default)  # pylint: disable=unidiomatic-typecheck
+
+
+def _check_fields(cfg, base, where: str) -> None:
+  """Every field of `base` is in `cfg` with a value of its type, and `cfg` has no field `base` lacks: a missing field
+  would fail deep in the run, an unknown one (a typo) would be silently ignored."""
+  missing, unknown, wrong = [], [], []
+
+  def walk(node, ref, prefix):
+    for key, default in ref.items():
+      if key not in node:
+        missing.append(prefix + key)
+      elif not _fits_type(node[key], default):
+        wrong.append((prefix + key, node[key], default))
+      elif isinstance(default, ml_collections.ConfigDict):
+        walk(node[key], default, f"{prefix}{key}.")
+    unknown.extend((prefix + key, list(ref)) for key in node if key not in ref)
+
+  walk(cfg, base, "")
+  if missing:
+    shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+    raise UserError(f"{where} lacks {len(missing)} field(s) meshtrain reads: {shown}; start from "
+                    "meshtrain.config.base_config(), which holds every field with its default, and change what you "
+                    "need, as configs/tiny.py does (c = base_config(); c.steps = ...; return c)")
+  if unknown:
+    key, known = unknown[0]
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    hint = f" (did you mean {prefix + near[0]!r}?)" if near else ""
+    raise UserError(f"{where} sets unknown config key {key!r}{hint}, which meshtrain would ignore; every field is "
+                    "listed, with its meaning, in base_config() in meshtrain/config.py")
+  if wrong:
+    key, value, default = wrong[0]
+    raise UserError(f"{where} sets config key {key!r} to {_one_line(repr(value), 80)} ({type(value).__name__}); it "
+                    f"takes {_type_name(default)} (default {_one_line(repr(default), 80) if not isinstance(default, ml_collections.ConfigDict) else 'in base_config()'})")
+
+
+def apply_override(cfg: ml_collections.ConfigDict, item: str) -> str:
+  """Applies one `--config.a.b=value` (the value is converted to the type the field already has); returns the key."""
+  if item.startswith("--config.") and "=" not in item:
+    raise UserError(f"override {item!r} has no value; write {item}=VALUE as one argument (no space around '=')")
   if not item.startswith("--config.") or "=" not in item:
-    raise UserError(f"cannot read argument {item!r}; overrides look like --config.model.num_layers=8")
+    name = item.lstrip("-").split("=", 1)[0]
+    hint = ""
+    if item.startswith("--") and name and _has_key(cfg, name):
+      hint = f"; did you mean --config.{item.lstrip('-')}{'' if '=' in item else '=VALUE'}?"
+    raise UserError(f"cannot read argument {item!r}; overrides look like --config.model.num_layers=8{hint}")
   key, raw = item[len("--config."):].split("=", 1)
   *parents, leaf = key.split(".")
   node = cfg
@@ -140,6 +295,16 @@ def apply_override(cfg: ml_collections.ConfigDict, item: str) -> None:
   if isinstance(old, ml_collections.ConfigDict):
     raise UserError(f"config key {key!r} is a group; set one of its fields, e.g. --config.{key}.{next(iter(old))}=...")
   node[leaf] = _convert(key, raw, old)
+  return key
+
+
+def _has_key(cfg, dotted: str) -> bool:
+  node = cfg
+  for part in dotted.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return False
+    node = node[part]
+  return True
 
 
 def _convert(key, raw, old):
@@ -183,6 +348,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if value < 0:
       raise UserError(f"config key {key!r} must be >= 0, got {value}")
   profiling.parse_steps(cfg.profile_steps)
+  _check_values(cfg)
   m = cfg.model
   _check_choice("nonfinite", cfg.nonfinite, ("stop", "skip"))
   _check_choice("model.remat", m.remat, REMAT_POLICIES)
@@ -225,3 +391,141 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key, size in ((f"mesh.{axis}", cfg.mesh[axis]), (f"mesh.nodes.{axis}", cfg.mesh.nodes[axis])):
       if size == 0 or size < -1:
         raise UserError(f"config key {key!r} is {size}; axis sizes are positive, or -1 to fill from the device count")
+
+
+def _floats(node, prefix=""):
+  for key, value in node.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _floats(value, f"{prefix}{key}.")
+    elif isinstance(value, float):
+      yield prefix + key, value
+
+
+def _check_values(cfg) -> None:
+  """Bounds and formats validate() did not check before (issue 13's bad inputs)."""
+  for key, value in _floats(cfg):
+    if not math.isfinite(value):
+      raise UserError(f"config key {key!r} is {value}; use a finite number")
+  if not 0 <= cfg.seed <= MAX_SEED:
+    raise UserError(f"seed={cfg.seed} is out of range; use 0 <= seed <= {MAX_SEED} (2**32 - 1): JAX's random keys keep "
+                    "32 bits, so larger or negative seeds silently repeat the initialisation of another seed")
+  if cfg.cpu_devices > MAX_CPU_DEVICES:
+    raise UserError(f"cpu_devices={cfg.cpu_devices} is more than the {MAX_CPU_DEVICES} CPU devices one process can "
+                    "simulate (each costs memory before anything runs, and every compile grows with the count); to "
+                    "see what a large cluster needs use python -m meshtrain.inspect --devices N (N <= "
+                    f"{MAX_CPU_DEVICES}) or python -m meshtrain.plan")
+  o = cfg.optimizer
+  if o.learning_rate <= 0:
+    raise UserError(f"optimizer.learning_rate={o.learning_rate} must be positive: with a negative rate the updates "
+                    "climb the loss (gradient ascent), with 0 nothing trains; typical peaks are 1e-4 to 3e-3")
+  if not (0 <= o.b1 < 1 and 0 <= o.b2 < 1):
+    raise UserError(f"optimizer.b1={o.b1} and optimizer.b2={o.b2} must lie in [0, 1) (Adam's moment decay rates; "
+                    "usual: 0.9 and 0.95)")
+  for key, value in (("optimizer.eps", o.eps), ("model.init_std", cfg.model.init_std),
+                     ("model.norm_eps", cfg.model.norm_eps), ("model.rope_theta", cfg.model.rope_theta)):
+    if value <= 0:
+      raise UserError(f"config key {key!r} must be positive, got {value}")
+  for key, value in (("optimizer.weight_decay", o.weight_decay), ("optimizer.grad_clip", o.grad_clip),
+                     ("model.aux_loss_weight", cfg.model.aux_loss_weight),
+                     ("model.router_z_loss_weight", cfg.model.router_z_loss_weight)):
+    if value < 0:
+      raise UserError(f"config key {key!r} must be >= 0 (0 turns it off), got {value}")
+  if 0 < cfg.watchdog_s < MIN_WATCHDOG_S:
+    raise UserError(f"watchdog_s={cfg.watchdog_s:g} is below the {MIN_WATCHDOG_S:g} s floor: between two heartbeats "
+                    "a healthy loop may wait that long (two queued steps, the slowest peer at a collective, a "
+                    "checkpoint commit), so a shorter watchdog would end healthy runs and blame a dead peer; use "
+                    f"watchdog_s >= {MIN_WATCHDOG_S:g} (default 600) or 0 to turn it off")
+  d = cfg.distributed
+  if d.num_processes == 0 or d.num_processes < -1 or d.process_id < -1:
+    raise UserError(f"distributed.num_processes={d.num_processes}, distributed.process_id={d.process_id}: use "
+                    "num_processes >= 1 and 0 <= process_id < num_processes, or -1 for both to take them from the "
+                    "environment")
+  data = cfg.data
+  if not _TFDS_NAME.match(data.name):
+    raise UserError(f"data.name={data.name!r} is not a dataset name: TFDS names are letters, digits and _ "
+                    "(name[/config][:1.2.3]), starting with a letter; use python_stdlib (built locally), synthetic, "
+                    "or a TFDS dataset such as wikipedia/20230601.en")
+  splits = [("data.train_split", data.train_split)] + ([("data.eval_split", data.eval_split)] if cfg.eval_every else [])
+  for key, split in splits:
+    if not split.strip():
+      raise UserError(f"{key} is empty; name a split of the dataset, e.g. train, validation or a slice such as "
+                      "'train[:90%]'" + (" (or set eval_every=0 to skip evaluation)" if key == "data.eval_split" else ""))
+  for key, value in (("data.data_dir", data.data_dir), ("compilation_cache_dir", cfg.compilation_cache_dir)):
+    if value:
+      _check_directory(key, os.path.expanduser(value))
+  for flag in cfg.xla_flags.split():
+    if not re.fullmatch(r"--xla_\w+(=.*)?", flag):
+      raise UserError(f"xla_flags holds {flag!r}, which is not an XLA flag: XLA flags look like "
+                      "--xla_name=value, separated by spaces (XLA aborts on an unknown one, and ignores words "
+                      "without --)")
+
+
+def _check_directory(key: str, path: str) -> None:
+  """`path` is a directory or can become one: neither it nor any parent is an existing non-directory."""
+  p = pathlib.Path(path)
+  for candidate in [p, *p.parents]:
+    if candidate.exists():
+      if not candidate.is_dir():
+        what = "is a file" if candidate == p else f"lies under {str(candidate)!r}, which is a file"
+        raise UserError(f"{key}={path!r} {what}, not a directory; point it at a directory (it is created if missing)")
+      return
+
+
+def _check_step_fields(cfg, overridden: set[str]) -> None:
+  """Fields that count steps of the run must lie within `steps`, where the config file or an override sets them
+  so. A run shortened with --config.steps=N alone (a quick trial of a config) keeps the file's warmup and profile
+  range, and simply ends before or inside them."""
+  shortened = "steps" in overridden
+  warmup = cfg.optimizer.warmup_steps
+  if warmup > cfg.steps and (not shortened or "optimizer.warmup_steps" in overridden):
+    raise UserError(f"optimizer.warmup_steps={warmup} is beyond steps={cfg.steps}: the learning rate would never "
+                    f"reach optimizer.learning_rate and the cosine decay would never start; use warmup_steps <= "
+                    f"{cfg.steps} (a few percent of the run is usual) or raise steps")
+  profile = profiling.parse_steps(cfg.profile_steps)
+  if profile and profile[1] > cfg.steps and (not shortened or "profile_steps" in overridden):
+    raise UserError(f"profile_steps={cfg.profile_steps!r} reaches beyond steps={cfg.steps}, so the trace would never "
+                    f"be complete; profile steps within 1-{cfg.steps}")
+
+
+def process_count_hint(cfg) -> int:
+  """How many processes share the global batch, as far as the config and the environment tell before JAX starts
+  (meshtrain.launch, SLURM, Open MPI); 1 when nothing says."""
+  if cfg.distributed.num_processes > 0:
+    return cfg.distributed.num_processes
+  for name in ("MESHTRAIN_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    try:
+      if int(os.environ.get(name, "")) > 0:
+        return int(os.environ[name])
+    except ValueError:
+      pass
+  return 1
+
+
+def host_memory_bytes() -> int:
+  """This host's memory: physical RAM, or the container's cgroup limit when lower."""
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path) as f:
+        ram = min(ram, int(f.read()))
+    except (OSError, ValueError):  # no limit ("max"), or no such cgroup version
+      pass
+  return ram
+
+
+def check_batch_memory(cfg, processes: int | None = None, memory: int | None = None) -> None:
+  """Refuses a batch whose input-pipeline buffers alone cannot fit in this host's memory: each process holds 3
+  batches of its rows as int32 arrays (see BATCH_BUFFER_BYTES_PER_TOKEN), before the model needs anything."""
+  processes = process_count_hint(cfg) if processes is None else processes
+  memory = host_memory_bytes() if memory is None else memory
+  rows = -(-cfg.batch_size // processes)
+  needed = rows * (cfg.seq_len + 1) * BATCH_BUFFER_BYTES_PER_TOKEN
+  if needed > memory:
+    per = f"{rows} of the {cfg.batch_size} rows per process ({processes} processes)" if processes > 1 else \
+          f"batch_size={cfg.batch_size}"
+    raise UserError(f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} is {cfg.batch_size * cfg.seq_len:,} tokens "
+                    f"per step; for {per} the input pipeline's buffers alone need {needed / 1e9:,.1f} GB "
+                    f"({BATCH_BUFFER_BYTES_PER_TOKEN} bytes per token: int32 inputs, targets and packed rows, 3 "
+                    f"batches in flight), more than this host's {memory / 1e9:,.1f} GB of memory; lower seq_len or "
+                    "batch_size")
+

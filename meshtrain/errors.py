@@ -3,6 +3,7 @@
 Entry points turn it into a one-paragraph message and exit code 2, with no traceback. Anything else that
 escapes is a bug in meshtrain and is allowed to traceback.
 """
+import argparse
 
 
 class UserError(Exception):
@@ -15,3 +16,11 @@ class RunAborted(Exception):
   Entry points print the message and exit with code 3, without a traceback: nothing is broken in meshtrain,
   and the last good checkpoint is intact.
   """
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse whose mistakes are reported the meshtrain way: a UserError (one `error: ...` line, exit code 2 from
+  the entry point) instead of argparse's usage block."""
+
+  def error(self, message):
+    raise UserError(f"{message}; see {self.prog} --help")

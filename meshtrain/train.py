@@ -7,32 +7,55 @@ process count the new command has. Exit codes: 0 done or preempted (checkpoint s
 (reported before anything compiles), 3 stopped to protect results (non-finite loss, a checkpoint that could
 not be written), 4 hang watchdog.
 """
-import argparse
 import collections
 import concurrent.futures
 import functools
 import json
 import math
+import os
 import pathlib
 import sys
 import time
 
 from meshtrain import config as config_lib
-from meshtrain.errors import RunAborted, UserError
+from meshtrain.errors import ArgumentParser, RunAborted, UserError
 
 _IMPORTED = time.perf_counter()  # start-up fallback where the process start time is unknown
 
 
 def parse_args(argv: list[str]):
-  parser = argparse.ArgumentParser(prog="python -m meshtrain.train", description=__doc__.split("\n\n")[0],
-                                   epilog="Any config field can be overridden: --config.model.num_layers=8")
+  parser = ArgumentParser(prog="python -m meshtrain.train", description=__doc__.split("\n\n")[0],
+                          epilog="Any config field can be overridden: --config.model.num_layers=8")
   parser.add_argument("--config", required=True, help="Python config file with get_config(), e.g. configs/tiny.py")
   parser.add_argument("--workdir", required=True, help="checkpoints, metrics and logs go here; reuse it to resume")
   args, overrides = parser.parse_known_args(argv)
-  return config_lib.load(args.config, overrides), pathlib.Path(args.workdir)
+  cfg = config_lib.load(args.config, overrides)
+  workdir = check_workdir(args.workdir)
+  config_lib.check_batch_memory(cfg)  # before JAX: a batch that cannot be allocated is refused in a second
+  return cfg, workdir
+
+
+def check_workdir(path: str) -> pathlib.Path:
+  """`path` as the run's directory: not empty, and it or its nearest existing parent a writable directory."""
+  if not path.strip():
+    raise UserError("--workdir is empty, which would put checkpoints, metrics and logs in the current directory; "
+                    "pass a directory for this run, e.g. --workdir runs/tiny (created if missing)")
+  workdir = pathlib.Path(path).expanduser()
+  for existing in [workdir, *workdir.parents]:
+    if existing.exists():
+      break
+  if not existing.is_dir():
+    where = "is a file" if existing == workdir else f"lies under {str(existing)!r}, which is a file"
+    raise UserError(f"--workdir {path!r} {where}, not a directory; pass a directory for this run (created if "
+                    "missing), e.g. runs/tiny")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise UserError(f"--workdir {path!r} cannot be written: {str(existing)!r} is not writable by this user; pass a "
+                    "directory on a writable file system")
+  return workdir
 
 
 def main(argv: list[str] | None = None) -> int:
+  cfg = None
   try:
     cfg, workdir = parse_args(sys.argv[1:] if argv is None else argv)
     train(cfg, workdir)
@@ -42,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
   except RunAborted as e:
     print(f"stopped: {e}", file=sys.stderr)
     return 3
+  except MemoryError as e:  # a host-side array of the model or batch (numpy): the sizes asked for are too large
+    sizes = f" for batch_size={cfg.batch_size}, seq_len={cfg.seq_len}" if cfg is not None else ""
+    print(f"error: out of host memory{sizes} ({' '.join(str(e).split())[:200] or 'MemoryError'}); lower seq_len or "
+          "batch_size, and see what a layout needs per device with python -m meshtrain.inspect", file=sys.stderr)
+    return 2
   return 0
 
 

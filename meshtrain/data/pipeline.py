@@ -295,10 +295,22 @@ def _open_tfds(name: str, split: str, data_dir: str):
         "never downloads at run time. Prepare it once as array_record files (e.g. `tfds build "
         f"{name.split(':')[0]} --file_format=array_record --data_dir=DIR` where it can be downloaded) and set "
         "data.data_dir=DIR, or use data.name=python_stdlib (built locally) or data.name=synthetic") from error
+  splits = ", ".join(sorted(builder.info.splits)) or "none"
   if "unknown split" in str(error).lower():
-    splits = ", ".join(sorted(builder.info.splits)) or "none"
     raise UserError(f"dataset {name!r} has no split {split!r}; its splits are: {splits}. Set data.train_split / "
                     "data.eval_split to one of them (slices such as 'train[:90%]' also work)") from error
+  try:
+    examples = builder.info.splits[split].num_examples
+  except Exception as e:  # pylint: disable=broad-except
+    if "split" not in str(e).lower():
+      raise error from e
+    raise UserError(f"data split {split!r} of dataset {name!r} cannot be parsed ({str(e).splitlines()[0]}); set "
+                    f"data.train_split / data.eval_split to a split ({splits}) or a slice of one such as "
+                    "'train[:90%]', 'train[1000:]' or 'train+validation'") from error
+  if examples == 0:
+    raise UserError(f"data split {split!r} of dataset {name!r} holds no examples; set data.train_split / "
+                    f"data.eval_split to a non-empty split ({splits}) or slice (e.g. 'train[:90%]'), or eval_every=0 "
+                    "to skip evaluation") from error
   if isinstance(error, NotImplementedError):
     raise UserError(
         f"TFDS dataset {name!r} under {builder.data_path} is stored as {builder.info.file_format}, which has no "

@@ -13,6 +13,8 @@ import sysconfig
 
 import tensorflow_datasets as tfds
 
+from meshtrain.errors import UserError
+
 NAME = "python_stdlib"
 VALIDATION_PERCENT = 5
 # Third-party packages are not the standard library, and in a system Python they can be huge.
@@ -93,9 +95,24 @@ def build(data_dir: str = "") -> PythonStdlib:
   """Builds the dataset under `data_dir` ("" = TFDS default) unless it is already there; returns the builder."""
   builder = PythonStdlib(data_dir=data_dir or None)
   if not builder.data_path.exists():
-    with _build_lock(pathlib.Path(builder.data_dir_root)):
-      # A no-op ("Reusing dataset") when another process finished the build while we waited for the lock.
-      PythonStdlib(data_dir=data_dir or None).download_and_prepare()
+    root = pathlib.Path(builder.data_dir_root)
+    where = f"data.data_dir={data_dir!r}" if data_dir else f"the default TFDS data_dir ({root})"
+    fix = ("point data.data_dir at a writable directory, or build it once where you can write (python -c \"from "
+           "meshtrain.data import stdlib_corpus; stdlib_corpus.build('DIR')\") and point data.data_dir at DIR")
+    existing = next(p for p in [root, *root.parents] if p.exists())
+    if not existing.is_dir():
+      raise UserError(f"{where} lies under {str(existing)!r}, which is a file, so the {NAME} dataset cannot be built "
+                      f"there; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+      raise UserError(f"{where} is not writable ({existing} is read-only for this user), and the {NAME} dataset is "
+                      f"not built there yet (it is built on first use); {fix}")
+    try:
+      with _build_lock(root):
+        # A no-op ("Reusing dataset") when another process finished the build while we waited for the lock.
+        PythonStdlib(data_dir=data_dir or None).download_and_prepare()
+    except OSError as e:
+      raise UserError(f"cannot build the {NAME} dataset under {where}: {e.strerror or e} ({e.filename or root}); "
+                      f"{fix}") from e
     # A fresh builder reads the split sizes from the written metadata.
     builder = PythonStdlib(data_dir=data_dir or None)
   return builder
