@@ -7,7 +7,6 @@ runtime on 127.0.0.1 (gloo collectives between CPU processes). Output lines are 
 SIGINT are passed on to every process (they checkpoint and stop together). When one process fails, the others
 are stopped and the launcher exits with the failed process's code.
 """
-import argparse
 import os
 import signal
 import socket
@@ -16,7 +15,13 @@ import sys
 import threading
 import time
 
+from meshtrain.config import MAX_CPU_DEVICES, host_memory_bytes
+from meshtrain.errors import ArgumentParser, UserError
+
 GRACE_S = 30  # after a failure, how long the survivors get to stop before SIGKILL
+# Resident memory of one training process once JAX has started, before any compile (158 MB measured on the CI
+# machine with 8 simulated devices): a floor, so more processes than memory / this cannot all start.
+PROCESS_BYTES = 150_000_000
 
 
 def free_port() -> int:
@@ -91,21 +96,40 @@ def launch(processes: int, devices_per_process: int, train_args: list[str], modu
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  if "--" not in argv:
-    print("error: put the training arguments after --, e.g. python -m meshtrain.launch --processes 2 "
-          "--devices-per-process 4 -- --config configs/tiny.py --workdir runs/x", file=sys.stderr)
-    return 2
-  split = argv.index("--")
-  parser = argparse.ArgumentParser(prog="python -m meshtrain.launch", description=__doc__.split("\n\n")[0])
+  split = argv.index("--") if "--" in argv else len(argv)
+  parser = ArgumentParser(
+      prog="python -m meshtrain.launch", description=__doc__.split("\n\n")[0],
+      usage="python -m meshtrain.launch --processes N --devices-per-process M -- TRAIN_ARGS...",
+      epilog="TRAIN_ARGS, after --, are python -m meshtrain.train's own arguments (--config, --workdir, "
+             "--config.KEY=VALUE ...); each process gets them with --config.cpu_devices=M added. Example: "
+             "python -m meshtrain.launch --processes 2 --devices-per-process 4 -- --config configs/tiny.py "
+             "--workdir runs/x")
   parser.add_argument("--processes", type=int, required=True, help="processes to start (stand-ins for hosts)")
   parser.add_argument("--devices-per-process", type=int, required=True, help="simulated CPU devices per process")
-  args = parser.parse_args(argv[:split])
-  if args.processes < 1 or args.devices_per_process < 1:
-    print("error: --processes and --devices-per-process must be at least 1", file=sys.stderr)
+  try:
+    args = parser.parse_args(argv[:split])  # --help prints the help and exits 0 here
+    if args.processes < 1 or args.devices_per_process < 1:
+      raise UserError(f"--processes {args.processes} and --devices-per-process {args.devices_per_process} must "
+                      "be at least 1")
+    if args.processes * args.devices_per_process > MAX_CPU_DEVICES:
+      raise UserError(f"--processes {args.processes} x --devices-per-process {args.devices_per_process} = "
+                      f"{args.processes * args.devices_per_process} simulated devices, more than the "
+                      f"{MAX_CPU_DEVICES} meshtrain simulates on one machine; use fewer")
+    if args.processes * PROCESS_BYTES > (memory := host_memory_bytes()):
+      raise UserError(f"--processes {args.processes}: each is a Python process with its own JAX runtime (at least "
+                      f"{PROCESS_BYTES / 1e6:.0f} MB before it compiles anything), more than this host's "
+                      f"{memory / 1e9:.1f} GB in all; start at most {memory // PROCESS_BYTES}")
+    if split == len(argv):
+      raise UserError("put the training arguments after --, e.g. python -m meshtrain.launch --processes 2 "
+                      "--devices-per-process 4 -- --config configs/tiny.py --workdir runs/x")
+    if split == len(argv) - 1:
+      raise UserError("no training arguments after --; give python -m meshtrain.train's, e.g. -- --config "
+                      "configs/tiny.py --workdir runs/x")
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
     return 2
   code = launch(args.processes, args.devices_per_process, argv[split + 1:])
   return code if code >= 0 else 128 - code  # killed by signal N: report 128 + N, as shells do
-
 
 if __name__ == "__main__":
   sys.exit(main())
