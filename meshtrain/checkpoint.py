@@ -4,12 +4,27 @@ Each step directory `WORKDIR/checkpoints/<step>` holds two items: `state` (the s
 (JSON: the data position and the resolved config). Orbax writes into a temporary directory and renames it
 when complete, so a run that dies mid-save leaves no half step, and an earlier checkpoint is never touched.
 Orbax does not notice a step directory that lost its commit marker or metadata; `damage()` does.
+
+Integrity: every byte that decides a restored value is covered by a checksum that is verified when it is read.
+- Array data: each chunk carries a CRC-32C (the Zarr v3 `crc32c` codec), written and verified by TensorStore
+  itself on every read; a mismatch is TensorStore's `DATA_LOSS ... Digest mismatch`, naming the array.
+- The OCDBT manifests and B+tree nodes (which hold each array's `zarr.json`): TensorStore's own CRC-32C.
+- The `meta` item: a SHA-256 of its content, stored in it under `integrity` and verified by `read_meta`.
+Orbax has no option for the array checksums; `_enable_array_checksums` adds the codec to the Zarr v3 metadata
+Orbax builds. Checkpoints written before checksums (no `integrity` in meta) still restore, with a note that they
+are unverified.
 """
 import contextlib
+import functools
 import gc
+import hashlib
+import json
+import logging
 import os
 import pathlib
+import re
 import sys
+import threading
 import time
 
 import jax
@@ -22,24 +37,38 @@ from meshtrain.errors import RunAborted, UserError
 REQUIRED = ("_CHECKPOINT_METADATA", "commit_success.txt", "state/_METADATA", "state/manifest.ocdbt",
             "state/commit_success.txt", "meta/metadata")
 DAMAGED_SUFFIX = ".damaged"  # Orbax only lists integer-named directories, so renamed ones are out of its way
+DAMAGED_NAME = re.compile(r"^(\d+)\.damaged(\.\d+)?$")  # `12.damaged`, or `12.damaged.2` when step 12 failed twice
 # Orbax splits the saving of a replicated array between its replicas by slicing it on device, one small compiled
 # program per shape and replica: for small arrays that costs more than it saves (4 s of the first save of a tiny
 # model on 8 CPU devices). Only arrays whose per-replica slice is at least this big are split.
 REPLICA_PARALLEL_MIN_SLICE_BYTES = 16 << 20
+INTEGRITY_KEY = "integrity"  # in the meta item: {"meta_sha256": ..., "arrays": "crc32c" | None}
+
+
+class CheckpointDamaged(Exception):
+  """A checkpoint that fails a check; the message names what is wrong (an array, a checksum, a missing file)."""
 
 
 class Checkpointer:
-  def __init__(self, workdir: str | pathlib.Path, keep: int, barrier_timeout_s: int = 1200):
+  def __init__(self, workdir: str | pathlib.Path, keep: int, barrier_timeout_s: int = 1200, checksums: bool = True):
+    """`checksums=False` writes checkpoints exactly as meshtrain did before checksums (Zarr v2, no digests): for
+    measuring their cost and testing that such checkpoints still restore."""
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     _probe_writable(self.directory)
     self._in_flight = None  # the step of the last async save started: the one a late failure belongs to
+    self._checksums = checksums
+    self._array_checksums = checksums and _enable_array_checksums()
+    self._output = _BackgroundOutput(self.directory.parent / "diagnostics")
     ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES), override=True)
+    # Zarr v3 is what carries the chunk checksums; StandardCheckpointHandler always writes v2. Restoring reads the
+    # format from each checkpoint's own metadata, so either handler reads both.
+    state_handler = ocp.PyTreeCheckpointHandler(use_zarr3=True) if checksums else ocp.StandardCheckpointHandler()
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
                                              async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s)),
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        item_handlers={"state": state_handler, "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -49,25 +78,55 @@ class Checkpointer:
     missing = [name for name in REQUIRED if not (self.directory / str(step) / name).is_file()]
     return f"missing {', '.join(missing)}" if missing else None
 
+  def damaged_directories(self) -> list[str]:
+    """The `<step>.damaged` directories kept from earlier fallbacks, newest step first."""
+    found = [p.name for p in self.directory.iterdir() if p.is_dir() and DAMAGED_NAME.match(p.name)]
+    return sorted(found, key=lambda name: (-int(DAMAGED_NAME.match(name)[1]), name))
+
   def read_meta(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    """The meta item, checksum verified (CheckpointDamaged on a mismatch); without its `integrity` record."""
+    return self._read_meta(step)[0]
+
+  def _read_meta(self, step: int) -> tuple[dict, dict | None]:
+    """(meta, integrity record or None for a checkpoint written before checksums)."""
+    meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if not isinstance(meta, dict):
+      raise CheckpointDamaged(f"its meta item is not a JSON object but {type(meta).__name__}")
+    integrity = meta.pop(INTEGRITY_KEY, None)
+    if integrity is not None:
+      stored = integrity.get("meta_sha256") if isinstance(integrity, dict) else None
+      if stored != _digest(meta):
+        raise CheckpointDamaged(f"its meta item fails its checksum (meta/metadata: stored sha256 {str(stored)[:16]}..., "
+                                f"content {_digest(meta)[:16]}...)")
+    return meta, integrity
 
   def restore_state(self, step: int, abstract_state):
     """Restores onto the shardings carried by `abstract_state` (ShapeDtypeStructs): any mesh, any device count."""
-    return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+    if self._checksums:
+      args = ocp.args.PyTreeRestore(abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(
+          abstract_state))
+    else:
+      args = ocp.args.StandardRestore(abstract_state)
+    return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
 
   def restore_latest(self, abstract_state, fallback: bool, check_meta) -> tuple[int | None, object, dict | None]:
-    """(step, state, meta) of the newest usable checkpoint, or (None, None, None) if there is none.
+    """(step, state, meta) of the newest usable checkpoint, or (None, None, None) in a workdir without checkpoints.
 
-    A damaged newest checkpoint is an error naming the step and the damage, unless `fallback`: then its
-    directory is renamed `<step>.damaged` (kept for inspection, never deleted) and the next older one is tried.
+    A damaged newest checkpoint (a missing file, a checksum that does not match, data Orbax cannot read) is an
+    error naming the step and the damage, unless `fallback`: then its directory is renamed `<step>.damaged` (kept
+    for inspection, never deleted) and the next older one is tried. A workdir that holds checkpoints of which none
+    is usable (all renamed now or by an earlier fallback) is an error too: starting over at step 0 there would
+    silently replace the run's history.
     `check_meta(step, meta)` may refuse a checkpoint (e.g. another model shape) by raising UserError.
     """
+    renamed = []
     while (step := self.latest_step()) is not None:
-      problem = self.damage(step)
+      problem, integrity = self.damage(step), None
       if problem is None:
         try:
-          meta = self.read_meta(step)
+          meta, integrity = self._read_meta(step)
+        except CheckpointDamaged as e:
+          problem = str(e)
         except Exception as e:
           meta, problem = None, f"its meta item cannot be read ({type(e).__name__}: {str(e)[:200]})"
       if problem is None:
@@ -77,8 +136,7 @@ class Checkpointer:
           try:
             restored = self.restore_state(step, abstract_state)
           except Exception as e:  # Orbax reports truncated or missing data files in many ways
-            problem = (f"restore failed: {str(e).split('. See full TensorStore details')[0].splitlines()[0][:300]}"
-                       f" (Orbax's own report: {log})")
+            problem = f"{_restore_problem(e, self.directory / str(step))} (Orbax's own report: {log})"
           if problem:
             # The failed read leaves sibling reads behind whose errors nobody retrieves: let them finish and be
             # collected now, while their tracebacks still go to the log.
@@ -86,6 +144,10 @@ class Checkpointer:
             gc.collect()
         if problem is None:
           log.unlink()
+          if jax.process_index() == 0 and not (integrity or {}).get("arrays"):
+            print(f"note: the checkpoint at step {step} has no checksums (written before meshtrain added them"
+                  + (")" if integrity is None else ", by an Orbax without the hook for them)")
+                  + "; restored unverified", flush=True)
           return step, restored, meta
       where = self.directory / str(step)
       if not fallback:
@@ -93,52 +155,257 @@ class Checkpointer:
                         f"good checkpoint, rerun with --config.checkpoint_fallback=true (the damaged directory is "
                         f"kept, renamed to {step}{DAMAGED_SUFFIX})")
       if jax.process_index() == 0:
-        where.rename(where.with_name(f"{step}{DAMAGED_SUFFIX}"))
-        print(f"checkpoint at step {step} is damaged ({problem}); renamed it to {step}{DAMAGED_SUFFIX} and falling "
+        target = _unused_name(where.with_name(f"{step}{DAMAGED_SUFFIX}"))
+        where.rename(target)
+        print(f"checkpoint at step {step} is damaged ({problem}); renamed it to {target.name} and falling "
               f"back to the previous one", flush=True)
+      renamed.append(step)
       multihost_utils.sync_global_devices(f"meshtrain fallback from {step}")
       self._manager.reload()
+    if damaged := self.damaged_directories():
+      raise UserError(
+          f"no usable checkpoint in {self.directory}: {len(damaged)} damaged ("
+          + (f"renamed now: {', '.join(map(str, renamed))}; " if renamed else "")
+          + f"kept as {', '.join(damaged)}). Not starting over at step 0, which would replace this run's metrics and "
+          f"checkpoints. To start over deliberately, rerun with a new --workdir, or move the .damaged directories out "
+          f"of {self.directory} (they are never deleted by meshtrain)")
     return None, None, None
 
   def save(self, step: int, state, meta: dict) -> None:
     """Starts an async save; returns once the device arrays are copied out, so training continues meanwhile."""
+    self._output.install()  # from here on, what Orbax's save threads print goes to diagnostics/, not the terminal
     try:
-      self._manager.wait_until_finished()  # a failure of the previous async save surfaces here, under its step
-      self._in_flight = step
-      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave(meta)), force=True)
+      self._wait()  # a failure of the previous async save surfaces here, under its step
+      self._in_flight = self._output.step = step
+      meta = {**meta, INTEGRITY_KEY: {"meta_sha256": _digest(meta), "arrays": "crc32c" if self._array_checksums
+                                      else None}} if self._checksums else meta
+      state_args = ocp.args.PyTreeSave(state) if self._checksums else ocp.args.StandardSave(state)
+      self._manager.save(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonSave(meta)), force=True)
     except Exception as e:
       raise self._write_error(e) from e
 
   def wait(self) -> None:
     """Blocks until the save in flight is committed; a write failure becomes a RunAborted naming its step."""
     try:
-      self._manager.wait_until_finished()
+      self._wait()
     except Exception as e:
       raise self._write_error(e) from e
 
+  def _wait(self) -> None:
+    if self._in_flight is None:
+      return self._manager.wait_until_finished()
+    # Orbax logs a failed save again, traceback and all, from the waiting thread: that goes to the step's log too.
+    with _stderr_to(self._output.log_path(self._in_flight), append=True, keep_empty=False):
+      self._manager.wait_until_finished()
+
   def _write_error(self, e) -> RunAborted:
+    log = self._output.log_path(self._in_flight)
+    report = f" Orbax's own report: {log}." if self._in_flight is not None and log.is_file() else ""
     return RunAborted(f"the checkpoint of step {self._in_flight} could not be written to "
                       f"{self.directory}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. The run stopped rather "
                       f"than continue unsaved; earlier checkpoints are intact (latest committed: "
-                      f"{self._latest_complete()}). Free space or fix the directory, then rerun to resume")
+                      f"{self._latest_complete()}).{report} Free space or fix the directory, then rerun to resume")
 
   def _latest_complete(self) -> str:
     steps = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and self.damage(int(p.name)) is None]
     return str(max(steps)) if steps else "none"
 
   def close(self) -> None:
-    self._manager.close()
+    try:
+      self._manager.close()
+    finally:
+      self._output.uninstall()
+
+
+def _digest(meta: dict) -> str:
+  return hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _unused_name(path: pathlib.Path) -> pathlib.Path:
+  """`path`, or `path.2`, `path.3`, ... if a step was damaged before under the same name: nothing is overwritten."""
+  candidate, n = path, 1
+  while candidate.exists():
+    n += 1
+    candidate = path.with_name(f"{path.name}.{n}")
+  return candidate
+
+
+# TensorStore's report of a chunk whose CRC-32C does not match names the array (Orbax's key) and the chunk:
+# `DATA_LOSS: Error reading shard entry {0, 0}/{1, 1} in "opt_state.1.0.mu.embedding/c/0/0" in OCDBT database at
+# local file ".../state/": Digest mismatch, stored digest is 0x... but computed digest is 0x...`.
+_CHUNK_MISMATCH = re.compile(r'in "([^"]+?)/(c/[0-9/]+)" in OCDBT database.*?: (Digest mismatch.*)')
+
+
+def _restore_problem(error: BaseException, step_dir: pathlib.Path) -> str:
+  """One line for a failed restore: which array (or file) fails its checksum, else TensorStore's or Orbax's reason."""
+  chain, e = [], error
+  while e is not None and e not in chain:
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  # TensorStore's own status (`DATA_LOSS: ...`) says more than the Orbax exception wrapping it.
+  status = next((str(e) for e in chain if re.match(r"[A-Z_]+: ", str(e)) or 'local file "' in str(e)), None)
+  if status is None:
+    return f"restore failed: {str(error).split('. See full TensorStore details')[0].splitlines()[0][:300]}"
+  status = status.split(" [tensorstore_spec=")[0].splitlines()[0]
+  if m := _CHUNK_MISMATCH.search(status):
+    return f"array {m[1]} fails its checksum (chunk {m[2]}: {m[3][:120]})"
+  files = re.findall(r'local file "([^"]+)"', status)
+  where = files[-1].replace(f"{step_dir.parent}/", "") if files else "?"
+  reason = status.rsplit('": ', 1)[-1][:200]
+  if "checksum" in reason.lower():
+    return f"{where} fails its checksum ({reason})"
+  return f"restore failed: {where}: {reason}"
+
+
+def _enable_array_checksums() -> bool:
+  """Makes every Zarr v3 array Orbax writes carry TensorStore's `crc32c` codec on each chunk; True if it does.
+
+  TensorStore computes the CRC-32C when it encodes a chunk and verifies it when it decodes one (a mismatch is a
+  DATA_LOSS error), and Orbax reads the codecs from each array's stored `zarr.json`, so restoring needs nothing.
+  Orbax 0.12 builds the codec list in one function without an option for it: this wraps that function (once per
+  process) and checks the result. Another Orbax without that function gets no checksums and a warning.
+  """
+  try:
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    build = ts_utils._build_zarr3_metadata
+  except (ImportError, AttributeError):
+    build = ts_utils = None
+  if build is not None and not getattr(build, "meshtrain_crc32c", False):
+    @functools.wraps(build)
+    def with_crc32c(*args, **kwargs):
+      metadata = build(*args, **kwargs)
+      codecs = metadata["codecs"]
+      if codecs and codecs[0].get("name") == "sharding_indexed":  # the chunks inside each shard
+        codecs = codecs[0]["configuration"]["codecs"]
+      if not any(c.get("name") == "crc32c" for c in codecs):
+        codecs.append({"name": "crc32c"})  # last: over the compressed bytes, as they are on disk
+      return metadata
+    with_crc32c.meshtrain_crc32c = True
+    ts_utils._build_zarr3_metadata = with_crc32c
+  try:
+    built = ts_utils._build_zarr_shard_and_chunk_metadata(global_shape=(4,), shard_shape=(4,), use_zarr3=True,
+                                                          chunk_shape=(4,))[0]
+    ok = "crc32c" in json.dumps(built["codecs"])
+  except Exception:
+    ok = False
+  if not ok and jax.process_index() == 0:
+    print(f"warning: checkpoint arrays are written without checksums: this Orbax ({ocp.__version__}) has no "
+          "_build_zarr3_metadata to add TensorStore's crc32c codec to (the meta item is still checksummed)",
+          file=sys.stderr, flush=True)
+  return ok
+
+
+class _BackgroundOutput:
+  """Routes what Orbax's save threads print to `diagnostics/save-step<N>-process<I>.log`, not the terminal.
+
+  A failed async write makes Orbax's threads log the error with tracebacks, and TensorStore's callbacks print one
+  `Event loop is closed` traceback per pending write: hundreds of lines, while training goes on and the progress
+  bar shares stderr, so file descriptor 2 cannot simply be redirected as during a restore (`_stderr_to`). Writes
+  to `sys.stderr` and records of the `absl` logger (Orbax's) from any thread but the main thread and meshtrain's
+  own (`meshtrain-*`: the watchdog, the data prefetcher) go to the log of the step being saved; the log file is
+  created only when something is written. The main thread's waits for a save use `_stderr_to` on the same file.
+  """
+
+  def __init__(self, directory: pathlib.Path):
+    self.directory = directory
+    self.step = None
+    self._lock = threading.Lock()
+    self._files = {}
+    self._router = self._filter = None
+
+  def log_path(self, step) -> pathlib.Path:
+    return self.directory / f"save-step{step}-process{jax.process_index()}.log"
+
+  @staticmethod
+  def foreign() -> bool:
+    thread = threading.current_thread()
+    return thread is not threading.main_thread() and not thread.name.startswith("meshtrain")
+
+  def write(self, text: str) -> int:
+    with self._lock:
+      step = self.step
+      if step not in self._files:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._files[step] = open(self.log_path(step), "a")
+      self._files[step].write(text)
+      self._files[step].flush()
+    return len(text)
+
+  def install(self) -> None:
+    if self._router is not None:
+      return
+    self._router = _StderrRouter(sys.stderr, self)
+    sys.stderr = self._router
+    self._filter = _ForeignRecords(self)
+    logging.getLogger("absl").addFilter(self._filter)
+
+  def uninstall(self) -> None:
+    if self._router is None:
+      return
+    logging.getLogger("absl").removeFilter(self._filter)
+    if sys.stderr is self._router:
+      sys.stderr = self._router.terminal
+    self._router.close()
+    self._router = self._filter = None
+    with self._lock:
+      for f in self._files.values():
+        f.close()
+      self._files.clear()
+
+
+class _StderrRouter:
+  """Stands in for sys.stderr: other threads' writes go to the log, the rest to a duplicate of the terminal's
+  descriptor (so the watchdog's message still reaches the terminal while fd 2 is sent to a log)."""
+
+  def __init__(self, stderr, sink: _BackgroundOutput):
+    self.terminal, self._sink, self._own = stderr, sink, None
+    try:
+      stderr.flush()
+      self._own = os.fdopen(os.dup(stderr.fileno()), "w", buffering=1, encoding=stderr.encoding,
+                            errors="backslashreplace")
+    except (AttributeError, OSError, ValueError):  # no real descriptor (e.g. captured by a test runner)
+      pass
+
+  def write(self, text: str) -> int:
+    if self._sink.foreign():
+      return self._sink.write(text)
+    return (self._own or self.terminal).write(text)
+
+  def flush(self) -> None:
+    (self._own or self.terminal).flush()
+
+  def close(self) -> None:
+    if self._own is not None:
+      self._own.close()
+      self._own = None
+
+  def __getattr__(self, name):  # encoding, isatty, fileno, buffer, ...: the terminal's
+    return getattr(self.terminal, name)
+
+
+class _ForeignRecords(logging.Filter):
+  """On the `absl` logger: records from Orbax's threads are written to the log and go no further."""
+
+  def __init__(self, sink: _BackgroundOutput):
+    super().__init__()
+    self._sink = sink
+    self._format = logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(message)s")
+
+  def filter(self, record) -> bool:
+    if not self._sink.foreign():
+      return True
+    self._sink.write(self._format.format(record) + "\n")
+    return False
 
 
 @contextlib.contextmanager
-def _stderr_to(path: pathlib.Path):
+def _stderr_to(path: pathlib.Path, append: bool = False, keep_empty: bool = True):
   """Sends file descriptor 2 to `path`: a failed Orbax read makes it and TensorStore's threads print tracebacks,
-  which belong in a log, not in the one-line error."""
+  which belong in a log, not in the one-line error. With keep_empty=False an empty log is removed afterwards."""
   path.parent.mkdir(parents=True, exist_ok=True)
   sys.stderr.flush()
   saved = os.dup(2)
-  with open(path, "w") as f:
+  with open(path, "a" if append else "w") as f:
     os.dup2(f.fileno(), 2)
     try:
       yield
@@ -146,6 +413,10 @@ def _stderr_to(path: pathlib.Path):
       sys.stderr.flush()
       os.dup2(saved, 2)
       os.close(saved)
+  if not keep_empty:
+    with contextlib.suppress(OSError):
+      if path.stat().st_size == 0:
+        path.unlink()
 
 
 def _probe_writable(directory: pathlib.Path) -> None:
