@@ -12,7 +12,6 @@ What compiling on the CPU cannot show: GPU kernels (cuDNN fused attention keeps 
 temporaries are lower for long sequences) and GPU collective choices (the CPU backend all-reduces where GPUs
 reduce-scatter). Parameter, optimizer and collective-count figures do not depend on the backend.
 """
-import argparse
 import dataclasses
 import json
 import math
@@ -21,7 +20,7 @@ import sys
 import time
 
 from meshtrain import config as config_lib
-from meshtrain.errors import UserError
+from meshtrain.errors import ArgumentParser, UserError
 
 GB = 1e9
 
@@ -150,23 +149,33 @@ def format_report(r: Report, hbm_bytes: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m meshtrain.inspect", description=__doc__.split("\n\n")[0],
-                                   epilog="Mesh sizes are config fields: --config.mesh.fsdp=8 --config.mesh.tensor=8")
+  parser = ArgumentParser(prog="python -m meshtrain.inspect", description=__doc__.split("\n\n")[0],
+                          epilog="Mesh sizes are config fields: --config.mesh.fsdp=8 --config.mesh.tensor=8")
   parser.add_argument("--config", required=True)
-  parser.add_argument("--devices", type=int, default=0, help="devices to compile for (default: cpu_devices)")
+  parser.add_argument("--devices", type=int, default=None,
+                      help=f"devices to compile for, 1 to {config_lib.MAX_CPU_DEVICES} (default: cpu_devices)")
   parser.add_argument("--hbm", type=float, default=80.0, metavar="GB", help="memory per device (default 80)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
+  cfg = None
   try:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.devices < 0 or args.devices > 4096 or args.hbm <= 0:
-      raise UserError("--devices must be between 1 and 4096 and --hbm a positive number of GB")
-    if args.devices:
+    if args.devices is not None and not 1 <= args.devices <= config_lib.MAX_CPU_DEVICES:
+      raise UserError(f"--devices {args.devices} is out of range; compile for 1 to {config_lib.MAX_CPU_DEVICES} "
+                      "devices (omit it to use the config's cpu_devices)")
+    if not (math.isfinite(args.hbm) and args.hbm > 0):
+      raise UserError(f"--hbm {args.hbm:g} must be a positive number of GB per device (e.g. 80 for an H100)")
+    if args.devices is not None:
       overrides = [f"--config.cpu_devices={args.devices}", *overrides]
     cfg = config_lib.load(args.config, overrides)
     os.environ["JAX_PLATFORMS"] = "cpu"  # simulated devices, whatever accelerators this machine has
     report = inspect(cfg)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  except MemoryError as e:  # a host-side array built while tracing (numpy): the sizes asked for are too large
+    sizes = f" for batch_size={cfg.batch_size}, seq_len={cfg.seq_len}" if cfg is not None else ""
+    print(f"error: out of host memory while tracing the step{sizes} ({' '.join(str(e).split())[:200]}); lower "
+          "seq_len or batch_size", file=sys.stderr)
     return 2
   hbm = args.hbm * GB
   print(json.dumps(report.to_json(hbm)) if args.json else format_report(report, hbm))
