@@ -11,7 +11,6 @@ run's dtype and device count, so MFU compares like with like.
 late) for N steps in a temporary workdir and reports loop efficiency: the loop's wall time per step divided by
 the synchronised step time measured above. 1.00 means the host never makes the devices wait.
 """
-import argparse
 import contextlib
 import json
 import pathlib
@@ -21,7 +20,7 @@ import tempfile
 import time
 
 from meshtrain import config as config_lib, perf
-from meshtrain.errors import UserError
+from meshtrain.errors import ArgumentParser, UserError
 
 
 def fixed_batch(path: str, cfg, sharding):
@@ -72,6 +71,8 @@ def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
   flops_per_token = perf.model_flops(cfg, layout.table)
   peak, peak_source = perf.device_peak(mesh, cfg.model.dtype)
   mem = step_fn.memory_analysis()
+  # What the device's allocator saw (GPU: peak_bytes_in_use, bytes_limit); None on the CPU, which keeps no stats.
+  device_mem = mesh.devices.flat[0].memory_stats()
   achieved = flops_per_token * tokens / step_s
   return {
       "tokens_per_sec": tokens / step_s, "step_time_s": step_s, "step_time_min_s": min(times),
@@ -81,6 +82,11 @@ def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
       "mesh": dict(mesh.shape), "memory_per_device_bytes": {
           "arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
           "temporaries": mem.temp_size_in_bytes},
+      "device_peak_bytes_in_use": (device_mem or {}).get("peak_bytes_in_use"),
+      "device_bytes_limit": (device_mem or {}).get("bytes_limit"),
+      "attention": layout.model.cfg.attention, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
+      "param_dtype": cfg.model.param_dtype, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+      "jax_version": jax.__version__,
       "loss": losses[-1], "losses": losses,
   }
 
@@ -99,7 +105,7 @@ def loop_efficiency(cfg, steps: int, step_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m meshtrain.bench", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m meshtrain.bench", description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", required=True)
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")

@@ -15,14 +15,15 @@ class Gpu:
   peaks: dict[str, float]   # dense peak FLOP/s per device by compute dtype (datasheet, no sparsity)
   node_bw: float            # bytes/s per device, one direction, to devices in the same node (NVLink)
   network_bw: float         # bytes/s per device, one direction, to other nodes (one 400 / 200 Gb/s NIC per GPU)
+  compute_capability: str | None = None  # CUDA's, e.g. "9.0": which attention kernels run (models/attention.py)
 
 
 # SXM parts. NVLink: H100/H200 900 GB/s and A100 600 GB/s bidirectional per GPU; networks: NDR (400 Gb/s) and
 # HDR (200 Gb/s) InfiniBand, one NIC per GPU as in DGX/HGX nodes.
 GPUS = {
-    "h100": Gpu("H100 SXM 80GB", 80e9, {"bfloat16": 989.4e12, "float32": 66.9e12}, 450e9, 50e9),
-    "h200": Gpu("H200 SXM 141GB", 141e9, {"bfloat16": 989.4e12, "float32": 66.9e12}, 450e9, 50e9),
-    "a100": Gpu("A100 SXM 80GB", 80e9, {"bfloat16": 312.0e12, "float32": 19.5e12}, 300e9, 25e9),
+    "h100": Gpu("H100 SXM 80GB", 80e9, {"bfloat16": 989.4e12, "float32": 66.9e12}, 450e9, 50e9, "9.0"),
+    "h200": Gpu("H200 SXM 141GB", 141e9, {"bfloat16": 989.4e12, "float32": 66.9e12}, 450e9, 50e9, "9.0"),
+    "a100": Gpu("A100 SXM 80GB", 80e9, {"bfloat16": 312.0e12, "float32": 19.5e12}, 300e9, 25e9, "8.0"),
 }
 GPU_PEAKS = {name: gpu.peaks for name, gpu in GPUS.items()}
 

@@ -11,7 +11,6 @@ meshtrain.inspect` does; cached on disk) and the winner is picked by step times 
 actually compiled.
 `--gpu cpu` plans for this machine's simulated devices, with peak FLOP/s and collective bandwidth measured here.
 """
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -21,7 +20,7 @@ import pathlib
 import sys
 
 from meshtrain import config as config_lib, perf
-from meshtrain.errors import UserError
+from meshtrain.errors import ArgumentParser, UserError
 
 GB = 1e9
 REMATS = ("none", "save_dots", "full")
@@ -141,6 +140,14 @@ def hardware(name: str, mesh, dtype: str) -> perf.Gpu:
   peak = perf.measure_cpu_peak(mesh, dtype)
   bw = measure_cpu_allreduce_bw(mesh)
   return perf.Gpu("simulated CPU devices (measured)", 1e15, {dtype: peak}, bw, bw)
+
+
+def target_attention(cfg, gpu: str) -> str:
+  """The attention the model runs on `gpu` (a GPUS name or "cpu"), decided as the layout decides it there."""
+  from meshtrain.models import attention  # imports jax: only after runtime.start
+  m = cfg.model
+  platform, capability = ("cpu", None) if gpu == "cpu" else ("gpu", perf.GPUS[gpu].compute_capability)
+  return attention.resolve(m.attention, platform, m.dtype, m.head_dim, m.num_heads, m.num_kv_heads, capability)
 
 
 def measure_cpu_allreduce_bw(mesh, size: int = 1 << 22, repeats: int = 5) -> float:
@@ -276,7 +283,7 @@ def format_rows(rows: list[Row], top: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", required=True)
   parser.add_argument("--devices", type=int, required=True, help="devices in the cluster")
   parser.add_argument("--gpu", required=True, choices=[*perf.GPUS, "cpu"])
@@ -297,6 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.devices < 1 or args.nodes < 1 or args.devices % args.nodes:
       raise UserError(f"--devices {args.devices} must be a positive multiple of --nodes {args.nodes}")
+    if args.devices > config_lib.MAX_CPU_DEVICES:
+      raise UserError(f"--devices {args.devices} is more than the {config_lib.MAX_CPU_DEVICES} devices plan can "
+                      "simulate to compile and check its layouts; plan for at most that many")
+    for flag, value in (("--hbm", args.hbm), ("--node-bw", args.node_bw), ("--network-bw", args.network_bw)):
+      if not (math.isfinite(value) and value >= 0):
+        raise UserError(f"{flag} {value:g} must be a positive number (0 or omitted: the GPU's own figure)")
+    if args.top < 1 or args.verify < 0:
+      raise UserError(f"--top {args.top} must be >= 1 and --verify {args.verify} >= 0 (0: no compile)")
     cfg = config_lib.load(args.config, [*overrides, f"--config.cpu_devices={args.devices}"])
     os.environ["JAX_PLATFORMS"] = "cpu"  # shapes and simulated devices only, whatever this machine has
     from meshtrain import runtime
@@ -305,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware(args.gpu, mesh_lib.make_mesh({"data": -1}), cfg.model.dtype)
     hw = dataclasses.replace(hw, node_bw=args.node_bw * GB or hw.node_bw, network_bw=args.network_bw * GB or hw.network_bw)
     hbm = args.hbm * GB or hw.hbm_bytes
-    # GPUs run attention as one fused kernel (no [L, L] scores kept) in bf16; XLA on the CPU materialises them.
     bf16_on_gpu = args.gpu != "cpu" and cfg.model.dtype == "bfloat16"
-    fused = bf16_on_gpu and cfg.model.attention in ("auto", "cudnn")
-    if args.gpu != "cpu" and cfg.model.attention == "auto":
-      # What "auto" runs on a GPU (meshtrain/models/attention.py), not what it runs on the CPU tracing here
-      # (query blocks): jax.nn.dot_product_attention, whose [L, L] scores a fused kernel then leaves out.
+    impl = target_attention(cfg, args.gpu)
+    fused = impl == "cudnn"  # cuDNN's fused kernel keeps no [L, L] scores; XLA's attention keeps them
+    if impl in ("xla", "cudnn"):
+      # Traced and compiled here as XLA's attention, what the target runs or (cuDNN, which the CPU cannot trace)
+      # the same function; the estimate then leaves the [L, L] scores out when fused.
       cfg.model.attention = "xla"
     rows, seen = rank(cfg, args.devices, args.nodes, hw, hbm, fused, overlap=not args.no_overlap)
     if not rows:

@@ -4,9 +4,12 @@ Shape suffixes: B batch, L query length, S key length, H query heads, K kv heads
 head, E head dim, C query block length. Head h reads kv head h // G, as in `jax.nn.dot_product_attention`.
 
 `model.attention`:
-  auto     GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel with bf16); elsewhere `blocked`
+  auto     NVIDIA GPU: `cudnn` when cuDNN's conditions hold for the shapes (`cudnn_unsupported`), else `xla`;
+           elsewhere `blocked`. Decided by `resolve`, which layout, bench and plan all call.
   blocked  query blocks that skip the keys after them (below)
-  xla, cudnn  `jax.nn.dot_product_attention` with that implementation
+  xla      `jax.nn.dot_product_attention(implementation="xla")`: masked [L, L] scores, kept for the backward
+  cudnn    `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused flash attention, no [L, L] scores
+`implementation=None` is never passed: in JAX 0.10-0.12 it means XLA, not cuDNN.
 """
 import jax
 import jax.numpy as jnp
@@ -16,11 +19,47 @@ MIN_BLOCK = 64   # shorter blocks make more, smaller matmuls than they save
 MAX_BLOCKS = 8   # each block is its own ops in the HLO: bounded so long sequences do not grow the program
 
 
-def resolve(impl: str, platform: str) -> str:
-  """The implementation `impl` ("auto" included) runs as on `platform` ("cpu", "gpu", ...)."""
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 256          # Hopper (compute capability 9.0) and later
+CUDNN_MAX_HEAD_DIM_PRE_HOPPER = 128
+
+
+def cudnn_unsupported(dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                      compute_capability: str | None = None) -> str:
+  """Why cuDNN's fused attention cannot run these shapes, or "" when it can.
+
+  The conditions `jax.nn.dot_product_attention(implementation="cudnn")` checks for causal bf16/fp16 attention
+  without bias (jax/_src/cudnn/fused_attention_stablehlo.py, check_layout and check_is_flash_attention, JAX
+  0.10-0.12): a half-precision dtype; a head dim that is a multiple of 8, at most 256 on Hopper and later and
+  128 before; whole groups of query heads per kv head. `compute_capability` ("9.0"; None: unknown, taken as
+  Hopper, the GPUs meshtrain is benchmarked on) sets the head-dim limit.
+  """
+  reasons = []
+  if str(jnp.dtype(dtype)) not in CUDNN_DTYPES:
+    reasons.append(f"compute dtype {jnp.dtype(dtype)} (cuDNN needs bfloat16 or float16)")
+  hopper = compute_capability is None or tuple(map(int, compute_capability.split("."))) >= (9, 0)
+  max_e = CUDNN_MAX_HEAD_DIM if hopper else CUDNN_MAX_HEAD_DIM_PRE_HOPPER
+  if head_dim > max_e or head_dim % 8:
+    reasons.append(f"head_dim={head_dim} (cuDNN needs a multiple of 8, at most {max_e} on compute capability "
+                   f"{compute_capability or '9.0'})")
+  if num_kv_heads > num_heads or num_heads % num_kv_heads:
+    reasons.append(f"num_kv_heads={num_kv_heads} with num_heads={num_heads} (cuDNN needs whole query-head groups)")
+  return "; ".join(reasons)
+
+
+def resolve(impl: str, platform: str, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+            compute_capability: str | None = None) -> str:
+  """What `impl` ("auto" included) runs as on `platform` ("cpu", "gpu", "cuda", "tpu"): blocked, xla or cudnn.
+
+  The one place the choice is made: the layout resolves the model's attention with it for the mesh's devices
+  (or a named target), bench reports it, and plan's memory model keeps no [L, L] scores only when it says cudnn.
+  "gpu" means NVIDIA here: meshtrain installs JAX for CUDA.
+  """
   if impl != "auto":
     return impl
-  return "fused" if platform == "gpu" else "blocked"
+  if platform not in ("gpu", "cuda"):
+    return "blocked"
+  return "xla" if cudnn_unsupported(dtype, head_dim, num_heads, num_kv_heads, compute_capability) else "cudnn"
 
 
 def query_blocks(length: int) -> int:
@@ -30,11 +69,17 @@ def query_blocks(length: int) -> int:
 
 
 def causal_attention(q_BLHE, k_BSKE, v_BSKE, impl: str = "auto"):
-  """softmax(q k^T / sqrt(E) + causal mask) v, [B, L, H, E] out, in q's dtype."""
-  impl = resolve(impl, jax.default_backend())
-  if impl != "blocked":
-    return jax.nn.dot_product_attention(q_BLHE, k_BSKE, v_BSKE, is_causal=True,
-                                        implementation=None if impl == "fused" else impl)
+  """softmax(q k^T / sqrt(E) + causal mask) v, [B, L, H, E] out, in q's dtype.
+
+  `impl` is normally resolved already (meshtrain.layout, for its target platform); "auto" is resolved here for
+  the platform this process computes on.
+  """
+  if impl == "auto":
+    device = jax.devices()[0]
+    impl = resolve(impl, device.platform, q_BLHE.dtype, q_BLHE.shape[-1], q_BLHE.shape[2], k_BSKE.shape[2],
+                   getattr(device, "compute_capability", None))
+  if impl in ("xla", "cudnn"):
+    return jax.nn.dot_product_attention(q_BLHE, k_BSKE, v_BSKE, is_causal=True, implementation=impl)
   return blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, query_blocks(q_BLHE.shape[1]))
 
 
