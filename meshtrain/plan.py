@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
       if not (math.isfinite(value) and value >= 0):
         raise UserError(f"{flag} {value:g} must be a positive number (0 or omitted: the GPU's own figure)")
     if args.top < 1 or args.verify < 0:
-      raise UserError(f"--top {args.top} must be >= 1 and --verify {args.verify} >= 0 (0: no compile)")
+      raise UserError(f"--top must be >= 1 (rows to print) and --verify >= 0 (layouts to compile; 0: none); got "
+                      f"--top {args.top} --verify {args.verify}")
     cfg = config_lib.load(args.config, [*overrides, f"--config.cpu_devices={args.devices}"])
     os.environ["JAX_PLATFORMS"] = "cpu"  # shapes and simulated devices only, whatever this machine has
     from meshtrain import runtime
