@@ -24,6 +24,11 @@ from meshtrain.models import presets
 # Fields that decide the shape of the train state: a checkpoint is only compatible when all of them match.
 SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_experts",
                 "tie_embeddings", "scan_layers", "param_dtype")
+# Fields that decide which tokens the batch at step k holds: a resumed run that changes one silently continues on
+# another data order, so resuming with a change needs allow_data_change. (data.data_dir is not among them: the
+# same dataset may move.)
+DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_key", "data.train_split",
+                     "data.tokenizer")
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
@@ -66,6 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.nonfinite = "stop"          # a step with NaN/inf loss or gradients: stop (keep the last good checkpoint) | skip
   c.watchdog_s = 600.0          # no progress for this long (a hung collective, a dead peer): dump stacks, exit 4; 0: off
   c.checkpoint_fallback = False  # latest checkpoint damaged: resume from the previous good one (renaming, not deleting)
+  c.allow_data_change = False   # resume although seed, batch_size, seq_len or the dataset changed (logged); else refused
   c.compilation_cache_dir = "~/.cache/meshtrain/xla"  # persistent XLA cache: a rerun skips compiling; "" disables
   c.profile_steps = ""          # e.g. "20-24": jax.profiler trace of those steps in WORKDIR/profile (TensorBoard, Perfetto)
   c.xla_flags = ""              # extra XLA flags, after meshtrain's GPU defaults and $XLA_FLAGS (later flags win)
@@ -73,6 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
   # Several processes (hosts). Empty / -1: from the environment (meshtrain.launch, SLURM, Open MPI, Kubernetes).
   c.distributed = ml_collections.ConfigDict()
   c.distributed.coordinator_address = ""  # host:port of process 0's coordination service
+  c.distributed.coordinator_bind_address = ""  # where process 0 listens; "": the coordinator's own IP (see runtime.py)
   c.distributed.num_processes = -1
   c.distributed.process_id = -1
   c.distributed.init_timeout_s = 300      # all processes must reach the coordinator within this time
@@ -529,3 +536,21 @@ def check_batch_memory(cfg, processes: int | None = None, memory: int | None = N
                     f"batches in flight), more than this host's {memory / 1e9:,.1f} GB of memory; lower seq_len or "
                     "batch_size")
 
+
+def schedule_fields(cfg) -> tuple[str, ...]:
+  """Fields a resumed run may change: they shape the updates (learning rate, schedule length), not the data."""
+  return ("steps", *(f"optimizer.{k}" for k in cfg.optimizer))
+
+
+def changes(saved: dict, cfg, keys) -> list[tuple[str, object, object]]:
+  """(key, saved value, this run's value) for each dotted key whose value differs; keys either side lacks (fields
+  added since the checkpoint was written, or not in this config) are skipped."""
+  out = []
+  for key in keys:
+    old, new = saved, cfg
+    for part in key.split("."):
+      old = old.get(part) if isinstance(old, dict) else None
+      new = new[part] if isinstance(new, ml_collections.ConfigDict) and part in new else None
+    if old is not None and new is not None and old != new:
+      out.append((key, old, new))
+  return out

@@ -7,6 +7,8 @@ loop, the benchmarks and the tests all get their steps from here, so they run ex
 import contextlib
 import dataclasses
 import functools
+import math
+import os
 
 import flax.linen as nn
 import jax
@@ -18,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain import optim, sharding, step as step_lib
 from meshtrain.errors import UserError
 from meshtrain.parallel import context
+from meshtrain.models import attention
 from meshtrain.models.llama import ModelConfig, Transformer
 
 
@@ -69,6 +72,12 @@ class Layout:
     return {k: jax.ShapeDtypeStruct((batch_size, self.cfg.seq_len), jnp.int32, sharding=self.batch_sharding)
             for k in ("inputs", "targets")}
 
+  def state_bytes_per_device(self) -> int:
+    """Bytes of the train state (parameters, optimizer state, counters) each device holds: exact, from the shapes and
+    shardings (every split is even, `build` checked that)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(self.state_abstract))
+
   def compile_train_step(self):
     """The train step compiled ahead of time: state donated, every input and output sharding explicit."""
     fn = functools.partial(step_lib.train_step, apply_fn=self.model.apply, tx=self.tx, schedule=self.schedule,
@@ -103,15 +112,22 @@ class Layout:
                      ).lower(self.state_abstract.params, self.batch_abstract(self.cfg.batch_size)).compile()
 
 
-def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
-  """Checks the layout from shapes alone, then derives every sharding of the train state."""
+def build(cfg, mesh: Mesh, pad_id: int, platform: str | None = None) -> Layout:
+  """Checks the layout from shapes alone, then derives every sharding of the train state.
+
+  `platform` is the one the steps are for (default: the mesh's devices'); "gpu" lets a CPU machine lower the
+  steps a GPU would run (`lower(lowering_platforms=("cuda",))`), cuDNN attention included.
+  """
   rules = sharding.for_mesh(sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel), mesh)
   stages, shards = mesh.shape["stage"], mesh.shape["sequence"]
   p = cfg.pipeline
   repeats = p.repeats if stages > 1 else 1
+  device, m = mesh.devices.flat[0], cfg.model
+  impl = attention.resolve(m.attention, platform or device.platform, m.dtype, m.head_dim, m.num_heads,
+                           m.num_kv_heads, getattr(device, "compute_capability", None))
   model_cfg = dataclasses.replace(ModelConfig.from_config(cfg.model), pipeline_stages=stages,
                                   pipeline_microbatches=p.microbatches if stages > 1 else 1,
-                                  pipeline_schedule=p.schedule, pipeline_repeats=repeats)
+                                  pipeline_schedule=p.schedule, pipeline_repeats=repeats, attention=impl)
   if cfg.model.num_layers % (stages * repeats):
     raise UserError(f"model.num_layers={cfg.model.num_layers} cannot be split into mesh.stage={stages} x "
                     f"pipeline.repeats={repeats} equal layer groups; use sizes whose product divides the layer count")
@@ -157,3 +173,39 @@ def build(cfg, mesh: Mesh, pad_id: int) -> Layout:
   state_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
   return Layout(cfg, mesh, rules, model, tx, optim.learning_rate_schedule(cfg.optimizer, cfg.steps), table,
                 state_sh, sharding.batch_sharding(mesh, rules), state_abstract, pad_id, token_order)
+
+
+def device_memory(mesh: Mesh) -> tuple[int, str]:
+  """Bytes one device of `mesh` can hold, and where that figure comes from: the accelerator allocator's limit, or
+  on the CPU this host's RAM (the smaller of physical memory and a cgroup limit) shared by the simulated devices."""
+  device = mesh.local_devices[0]
+  stats = device.memory_stats() or {}
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"], f"the {device.device_kind} allocator's limit"
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  try:
+    with open("/sys/fs/cgroup/memory.max") as f:
+      ram = min(ram, int(f.read()))
+  except (OSError, ValueError):  # no cgroup v2 limit ("max", or not in a container)
+    pass
+  local = len(mesh.local_devices)
+  return ram // local, f"{ram / 1e9:.1f} GB of host RAM shared by {local} simulated CPU devices"
+
+
+def check_fits(needed: int, what: str, mesh: Mesh) -> None:
+  """Refuses, with the figures and the commands to find a layout that fits, a run whose per-device memory exceeds
+  what a device has: failing here costs seconds, an out-of-memory crash (or a swapping host) much more."""
+  capacity, source = device_memory(mesh)
+  if needed > capacity:
+    raise UserError(f"{what} needs {needed / 1e9:,.2f} GB per device, more than the {capacity / 1e9:,.2f} GB a device "
+                    f"has ({source}). Split the state over more devices (mesh.fsdp, mesh.tensor, mesh.stage), "
+                    f"rematerialize (model.remat=full), or shrink batch_size / seq_len; explore layouts without "
+                    f"allocating anything with python -m meshtrain.inspect --config CONFIG --devices {mesh.size} "
+                    f"[--config.mesh.*=...] or python -m meshtrain.plan --config CONFIG --devices {mesh.size}")
+
+
+def compiled_bytes(compiled) -> int:
+  """Per-device memory a compiled program needs at its peak, by XLA's own buffer assignment: arguments, outputs
+  not aliased to (donated) arguments, and temporaries."""
+  mem = compiled.memory_analysis()
+  return mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes

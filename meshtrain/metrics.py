@@ -17,12 +17,30 @@ class MetricsWriter:
     from tensorboardX import SummaryWriter  # imported here: only process 0 pays for it
     self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
     if self.path.exists():
-      # A resumed run appends; records past the checkpoint it resumes from are about to be recomputed.
-      kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
-      self.path.write_text("".join(line + "\n" for line in kept))
+      self._keep_history(start_step)
     self._file = open(self.path, "a")
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                           bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+
+  def _keep_history(self, start_step: int) -> None:
+    """A resumed run appends; records past the checkpoint it resumes from are about to be recomputed. A line that
+    is not a complete record (a crash in the middle of writing it) is dropped with a note, never fatal."""
+    kept, broken = [], []
+    for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+      try:
+        record = json.loads(line) if line.strip() else None
+      except json.JSONDecodeError:
+        record = None
+        broken.append(number)
+      if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
+        kept.append(line)
+    if broken:
+      print(f"{self.path}: dropped {len(broken)} incomplete line(s) (line {', '.join(map(str, broken))}), "
+            "left by an interrupted write", flush=True)
+    # Replaced whole, never rewritten in place: a crash during the rewrite leaves the old history intact.
+    tmp = self.path.with_name(self.path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(self.path)
 
   def write(self, record: dict) -> None:
     """One JSON line per record (must contain `step`); every numeric field also goes to TensorBoard."""

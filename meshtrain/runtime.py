@@ -9,7 +9,9 @@ Where the process count comes from, first match wins:
   3. SLURM (srun) or Open MPI (mpirun), detected by JAX itself.
 One process with none of these set runs alone, without the distributed runtime.
 """
+import ipaddress
 import os
+import socket
 import sys
 import threading
 
@@ -52,7 +54,8 @@ def _cluster_settings(dist_cfg) -> dict | None:
       return None
     if index >= count:
       raise UserError(f"process id {index} is out of range for {count} processes; ids run 0..{count - 1}")
-    return {"coordinator_address": address, "num_processes": count, "process_id": index}
+    return {"coordinator_address": address, "num_processes": count, "process_id": index,
+            "coordinator_bind_address": bind_address(address, dist_cfg.coordinator_bind_address)}
   if int(env.get("SLURM_NTASKS", 1)) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
     return {}  # JAX reads the scheduler's variables itself
   if address or count > 1:
@@ -60,6 +63,33 @@ def _cluster_settings(dist_cfg) -> dict | None:
                     f"process id {index}; give all three (config distributed.*, or JAX_COORDINATOR_ADDRESS, "
                     "MESHTRAIN_NUM_PROCESSES and MESHTRAIN_PROCESS_ID), or launch with srun / mpirun")
   return None
+
+
+def bind_address(coordinator: str, configured: str = "") -> str | None:
+  """Where process 0's coordinator listens. JAX binds every interface ([::]) unless told; here, in order: the
+  config (`distributed.coordinator_bind_address`) or $JAX_COORDINATOR_BIND_ADDRESS; the coordinator address itself
+  when it is an IP address (peers connect to exactly that, so nothing else needs to listen; the local launcher's
+  127.0.0.1 stays on loopback); `localhost` as 127.0.0.1; a host name that resolves to a non-loopback address
+  here, that address. A host name that resolves to loopback only on this node (Debian's `127.0.1.1 hostname`
+  line) keeps JAX's default, since the peers reach it by another address: None."""
+  if configured or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+    return configured or os.environ["JAX_COORDINATOR_BIND_ADDRESS"]
+  host, _, port = coordinator.rpartition(":")
+  host = host.strip("[]")
+  try:
+    ip = ipaddress.ip_address(host)
+  except ValueError:
+    if host == "localhost":
+      return f"127.0.0.1:{port}"
+    try:
+      resolved = {ipaddress.ip_address(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, ValueError):
+      return None
+    routable = sorted((a for a in resolved if not a.is_loopback), key=lambda a: (a.version, str(a)))
+    if not routable:
+      return None
+    ip = routable[0]
+  return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def start(cfg) -> None:

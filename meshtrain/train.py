@@ -75,14 +75,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg, workdir: pathlib.Path) -> dict:
   """Trains to cfg.steps (resuming from workdir) and returns timing: start-up, compile and the loop's wall time."""
-  # Heavy imports after argument checks, so a typo is reported in a fraction of a second.
-  from meshtrain import runtime
-  runtime.start(cfg)  # XLA flags, CPU devices, distributed runtime: before JAX initialises its backends
+  from meshtrain.preemption import PreemptionNotice
+  # Signal handling from the first moment: a signal during start-up ends the process at once with a message
+  # (nothing to save yet); once the loop runs, it stops after the current step with a checkpoint.
+  with PreemptionNotice() as preemption:
+    # Heavy imports after argument checks, so a typo is reported in a fraction of a second.
+    from meshtrain import runtime
+    runtime.start(cfg)  # XLA flags, CPU devices, distributed runtime: before JAX initialises its backends
+    import jax
+    from meshtrain import workdir as workdir_lib
+    # Before anything reads or writes the workdir: a second run there is refused, the first one is left alone.
+    with workdir_lib.exclusive(workdir, jax.process_index(), jax.process_count()):
+      return _train(cfg, workdir, preemption)
+
+
+def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
   import jax
   import jax.numpy as jnp
   from meshtrain import checkpoint, data, layout as layout_lib, mesh as mesh_lib, perf, sharding
   from meshtrain.metrics import MetricsWriter
-  from meshtrain.preemption import PreemptionNotice
   from meshtrain.profiling import StepProfiler
   from meshtrain.watchdog import Watchdog
 
@@ -94,6 +105,8 @@ def train(cfg, workdir: pathlib.Path) -> dict:
   layout = layout_lib.build(cfg, mesh, data.PAD_ID)
   log(f"mesh: {mesh_lib.describe(mesh)}; sharding rules: {cfg.sharding.rules}")
   log(sharding.format_table(layout.table))
+  # Before restoring or initialising anything: a state that cannot fit is refused in seconds, not after an OOM.
+  layout_lib.check_fits(layout.state_bytes_per_device(), "the train state (parameters and optimizer state)", mesh)
   if (stages := mesh.shape["stage"]) > 1:
     from meshtrain.parallel.pipeline import bubble_fraction
     repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
@@ -107,24 +120,36 @@ def train(cfg, workdir: pathlib.Path) -> dict:
     if meta.get("layer_order", "sequential") != layout.layer_order:
       raise UserError(f"the checkpoint at step {step} in {ckpt.directory} stores its layers in {meta['layer_order']} "
                       f"order, this run in {layout.layer_order} order; use its pipeline settings to resume")
+    data_changes = config_lib.changes(meta["config"], cfg, config_lib.DATA_ORDER_FIELDS)
+    if data_changes and not cfg.allow_data_change:
+      raise UserError(f"the checkpoint at step {step} in {ckpt.directory} was trained on another data order: "
+                      + "; ".join(f"{k}: checkpoint {old!r}, this run {new!r}" for k, old, new in data_changes)
+                      + ". Resuming would silently change which batches come next; use the checkpoint's values, or "
+                      "rerun with --config.allow_data_change=true to continue with the new ones")
+    for key, old, new in data_changes + config_lib.changes(meta["config"], cfg, config_lib.schedule_fields(cfg)):
+      log(f"resuming with {key} changed: {old!r} -> {new!r}")
   # Restored straight into this run's shardings: another mesh or process count needs no conversion.
   start, state, _ = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
   if start is not None and start >= cfg.steps:
     log(f"{ckpt.directory} already holds step {start} >= steps={cfg.steps}; nothing to do "
         f"(raise --config.steps to train further)")
     return {}
-  if is_main:
-    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+  if is_main:  # written whole or not at all: a signal during start-up ends the process wherever it is
+    (workdir / "config.json.tmp").write_text(json.dumps(cfg.to_dict(), indent=2))
+    (workdir / "config.json.tmp").replace(workdir / "config.json")
 
-  # The eval step and the initial state are compiled on a second thread while the train step compiles: XLA
-  # compiles without holding the GIL, so start-up waits for the longest compile rather than the sum.
-  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile") as pool:
+  # The train step, the eval step and the initial state are compiled on two threads: XLA compiles without holding
+  # the GIL, so start-up waits for the longest compile rather than the sum, and the main thread only waits on
+  # futures, where a signal is handled at once.
+  log("compiling the train step" + (", the eval step" if eval_src is not None else "")
+      + (" and the initial state" if start is None else ""))
+  with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="compile") as pool:
+    train_future = pool.submit(timed, layout.compile_train_step)
     eval_future = pool.submit(layout.compile_eval_step) if eval_src is not None else None
     init_future = pool.submit(layout.init, cfg.seed) if start is None else None
-    t0 = time.perf_counter()
-    train_fn = layout.compile_train_step()
-    compile_s = time.perf_counter() - t0
+    train_fn, compile_s = train_future.result()
     log(f"train step compiled in {compile_s:.1f}s; {compiled_summary(train_fn)}")
+    layout_lib.check_fits(layout_lib.compiled_bytes(train_fn), "the compiled train step", mesh)
     flops_per_token = perf.model_flops(cfg, layout.table)
     peak, peak_source = perf.device_peak(mesh, cfg.model.dtype)
     log(f"model FLOPs per token {flops_per_token:,.0f}; peak {peak / 1e9:,.1f} GFLOP/s per device ({peak_source})")
@@ -167,7 +192,6 @@ def train(cfg, workdir: pathlib.Path) -> dict:
   # --- The loop. The host only waits for the device when metrics are due, and then for the previous step. ---
   writer = MetricsWriter(workdir, cfg.steps, start, enabled=is_main)
   batches = data.Prefetcher(train_src, start, cfg.batch_size, layout.batch_sharding)
-  preemption = PreemptionNotice()
   watchdog = Watchdog(cfg.watchdog_s, workdir, jax.process_index())
   profiler = StepProfiler(cfg.profile_steps, workdir, enabled=is_main)
   pending = None                                  # (step, metrics on device) to fetch after the next dispatch
@@ -199,6 +223,7 @@ def train(cfg, workdir: pathlib.Path) -> dict:
       clock.update(loop_t=now, loop_excluded=0.0)
     writer.write(record)
 
+  preemption.start_loop(distributed=jax.process_count() > 1)
   try:
     for done in range(start + 1, cfg.steps + 1):
       watchdog.beat(done, "loading data")
@@ -256,7 +281,6 @@ def train(cfg, workdir: pathlib.Path) -> dict:
   finally:
     profiler.close()
     watchdog.close()
-    preemption.close()
     batches.close()
     try:
       ckpt.wait()   # an async save in flight is committed (or fails) before the process exits
@@ -265,6 +289,12 @@ def train(cfg, workdir: pathlib.Path) -> dict:
       writer.close()
   log(f"done: step {cfg.steps}; checkpoints in {ckpt.directory}; metrics in {writer.path}")
   return timing
+
+
+def timed(fn):
+  """fn() and the seconds it took."""
+  t0 = time.perf_counter()
+  return fn(), time.perf_counter() - t0
 
 
 def compiled_summary(compiled) -> str:

@@ -10,7 +10,7 @@ from meshtrain.errors import UserError
 
 ROOT = pathlib.Path(__file__).parents[1]
 CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "MESHTRAIN_NUM_PROCESSES", "MESHTRAIN_PROCESS_ID", "JOB_COMPLETION_INDEX",
-                "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+                "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_BIND_ADDRESS")
 
 
 @pytest.fixture
@@ -34,10 +34,25 @@ def test_launcher_and_kubernetes_environments(clean_env):
   clean_env.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
   clean_env.setenv("MESHTRAIN_NUM_PROCESSES", "4")
   clean_env.setenv("JOB_COMPLETION_INDEX", "3")  # an Indexed Job pod
-  assert settings() == {"coordinator_address": "host0:1234", "num_processes": 4, "process_id": 3}
+  assert settings() == {"coordinator_address": "host0:1234", "num_processes": 4, "process_id": 3,
+                        "coordinator_bind_address": None}  # host0 does not resolve here: JAX's default
   clean_env.setenv("MESHTRAIN_PROCESS_ID", "1")  # the launcher's variable wins
   assert settings()["process_id"] == 1
   assert settings(process_id=2)["process_id"] == 2  # and the config beats both
+
+
+def test_coordinator_bind_address(clean_env):
+  bind = runtime.bind_address
+  assert bind("127.0.0.1:1234") == "127.0.0.1:1234"  # the local launcher: loopback only
+  assert bind("localhost:1234") == "127.0.0.1:1234"
+  assert bind("[::1]:1234") == "[::1]:1234"
+  assert bind("10.1.2.3:1234") == "10.1.2.3:1234"  # the interface the peers were told to use, and no other
+  assert bind("no-such-host.invalid:1234") is None  # JAX's default ([::]); the runtime then reports the failure
+  assert bind("10.1.2.3:1234", "10.9.9.9:4321") == "10.9.9.9:4321"  # the config wins
+  clean_env.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:1234")
+  assert bind("10.1.2.3:1234") == "0.0.0.0:1234"
+  assert settings(coordinator_address="10.1.2.3:7", num_processes=2, process_id=0)["coordinator_bind_address"] \
+      == "0.0.0.0:1234"
 
 
 def test_schedulers_are_left_to_jax(clean_env):
