@@ -17,3 +17,25 @@ def restore_params(workdir, step, **config_overrides):
     return jax.device_get(ckpt.restore_state(step, one.state_abstract).params)
   finally:
     ckpt.close()
+
+
+def rewrite_without_checksums(src_workdir, dst_workdir, step, **config_overrides):
+  """Copies checkpoint `step` of `src_workdir` to `dst_workdir` in the format meshtrain wrote before checksums
+  (Zarr v2 arrays without digests, a meta item without its integrity record): an 'old' checkpoint."""
+  cfg = config.base_config()
+  cfg.seq_len = 64
+  for key, value in config_overrides.items():
+    cfg[key] = value
+  cfg.mesh.data = 1
+  one = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1]), 256)
+  src = checkpoint.Checkpointer(src_workdir, keep=100)
+  try:
+    state, meta = src.restore_state(step, one.state_abstract), src.read_meta(step)
+  finally:
+    src.close()
+  dst = checkpoint.Checkpointer(dst_workdir, keep=100, checksums=False)
+  try:
+    dst.save(step, state, meta)
+    dst.wait()
+  finally:
+    dst.close()
