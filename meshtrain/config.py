@@ -451,7 +451,7 @@ def _check_values(cfg) -> None:
   if not _TFDS_NAME.match(data.name):
     raise UserError(f"data.name={data.name!r} is not a dataset name: TFDS names are letters, digits and _ "
                     "(name[/config][:1.2.3]), starting with a letter; use python_stdlib (built locally), synthetic, "
-                    "or a TFDS dataset such as wikipedia/20230601.en")
+                    "or a TFDS dataset name such as tiny_shakespeare or lm1b")
   splits = [("data.train_split", data.train_split)] + ([("data.eval_split", data.eval_split)] if cfg.eval_every else [])
   for key, split in splits:
     if not split.strip():
