@@ -66,6 +66,9 @@ class PreemptionNotice:
     return self._flag.is_set()
 
   def close(self) -> None:
+    """Gives the signals back, unless a stop was requested: the process is then about to end with everything
+    saved, and further signals are ignored (a Ctrl-C during JAX's exit handlers would end it with a traceback,
+    and Python resets its own handlers at exit, but not an ignored signal)."""
     for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
+      signal.signal(sig, signal.SIG_IGN if self._flag.is_set() else handler)
     self._previous = {}
