@@ -80,6 +80,13 @@ class Layout:
 
   def compile_train_step(self):
     """The train step compiled ahead of time: state donated, every input and output sharding explicit."""
+    lowered = self.lower_train_step()
+    with self.context():
+      return lowered.compile()
+
+  def lower_train_step(self, platforms: tuple[str, ...] | None = None):
+    """The train step lowered, for `platforms` (default: the mesh's devices'; ("cuda",) on a CPU machine gives
+    the program a GPU would compile, with a layout built for platform="gpu")."""
     fn = functools.partial(step_lib.train_step, apply_fn=self.model.apply, tx=self.tx, schedule=self.schedule,
                            pad_id=self.pad_id, accum_steps=self.cfg.optimizer.grad_accum_steps,
                            nan_at_step=self.cfg.faults.nan_at_step, token_order=self.token_order)
@@ -87,7 +94,8 @@ class Layout:
     with self.context():
       return jax.jit(fn, in_shardings=(self.state_sharding, self.batch_sharding),
                      out_shardings=(self.state_sharding, replicated), donate_argnums=0,
-                     ).lower(self.state_abstract, self.batch_abstract(self.cfg.batch_size)).compile()
+                     ).trace(self.state_abstract, self.batch_abstract(self.cfg.batch_size)
+                             ).lower(lowering_platforms=platforms)
 
   def compile_eval_step(self):
     """Eval on micro-batch-sized batches, so evaluation never needs more memory than training."""

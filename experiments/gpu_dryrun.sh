@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# CI's GPU dry run: the first GPU call (experiments/gpu_bench.py) on this CPU at tiny shapes, in an environment
+# holding only the GPU machine's packages (Python 3.12, jax 0.11.2, flax, optax, orbax-checkpoint, chex, absl-py,
+# tensorstore, numpy, pytest; no grain, tensorflow-datasets, array_record or ml_collections) plus the wheels the
+# call carries, so a missing import, a bad flag or a broken step is found here and not on the GPU. Then
+# tests/test_gpu_ready.py on that JAX too (the suite runs it on the project's JAX 0.10).
+#
+#   experiments/gpu_dryrun.sh        # ~1.5 min with the environment in place, +~40 s to build it (.venv-gpu)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The GPU machine's versions that matter (KINDS.md of the device tool: Python 3.12.3, jax/jaxlib 0.11.2).
+JAX_VERSION=0.11.2
+PY312=${PY312:-$(ls -d "$HOME"/.pyenv/versions/3.12.*/bin/python3.12 2>/dev/null | tail -1)}
+PY312=${PY312:-$(command -v python3.12 || true)}
+if [[ -z "$PY312" ]]; then
+  echo "error: no Python 3.12 found (pyenv's versions/3.12.*/bin/python3.12 or python3.12 on PATH); set PY312" >&2
+  exit 2
+fi
+VENV=.venv-gpu
+if [[ ! -x $VENV/bin/python ]] || ! $VENV/bin/python -c "import jax; assert jax.__version__ == '$JAX_VERSION'" 2>/dev/null; then
+  rm -rf $VENV
+  "$PY312" -m venv $VENV
+  $VENV/bin/python -m pip install --quiet "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" flax optax orbax-checkpoint chex \
+    absl-py tensorstore numpy pytest >$VENV/install.log 2>&1 || { cat $VENV/install.log; exit 1; }
+fi
+# The dry run proves nothing if this environment has what the GPU machine lacks.
+for missing in ml_collections grain tensorflow_datasets array_record; do
+  if $VENV/bin/python -c "import $missing" 2>/dev/null; then
+    echo "error: $VENV has $missing, which the GPU machine lacks; delete $VENV and rerun" >&2
+    exit 2
+  fi
+done
+$VENV/bin/python experiments/gpu_bench.py --wheels >$VENV/wheels.log 2>&1 || { cat $VENV/wheels.log; exit 1; }
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+$VENV/bin/python experiments/gpu_bench.py --dry-run --results "$SITE/results" --site "$SITE/site"
+PYTHONPATH="$SITE/site" $VENV/bin/python -m pytest -q -p no:cacheprovider tests/test_gpu_ready.py
