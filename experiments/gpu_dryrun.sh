@@ -10,10 +10,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The GPU machine's versions that matter (KINDS.md of the device tool: Python 3.12.3, jax/jaxlib 0.11.2).
 JAX_VERSION=0.11.2
-PY312=${PY312:-$(ls -d "$HOME"/.pyenv/versions/3.12.*/bin/python3.12 2>/dev/null | tail -1)}
-PY312=${PY312:-$(command -v python3.12 || true)}
-if [[ -z "$PY312" ]]; then
-  echo "error: no Python 3.12 found (pyenv's versions/3.12.*/bin/python3.12 or python3.12 on PATH); set PY312" >&2
+# A Python 3.12 that runs: $PY312, else pyenv's (also when HOME is a temporary one, as in a cold-cache CI run; its
+# python3.12 shim fails unless 3.12 is selected, so the interpreters are called directly), else python3.12.
+real_home=$(getent passwd "$(id -un)" | cut -d: -f6 || true)
+for candidate in ${PY312:-} $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.*/bin/python3.12 \
+    "$real_home"/.pyenv/versions/3.12.*/bin/python3.12 2>/dev/null | sort -V -r) $(command -v python3.12 || true); do
+  if "$candidate" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then PY312=$candidate; break; fi
+  PY312=""
+done
+if [[ -z "${PY312:-}" ]]; then
+  echo "error: no working Python 3.12 (pyenv's versions/3.12.*/bin/python3.12, python3.12 on PATH); set PY312" >&2
   exit 2
 fi
 VENV=.venv-gpu

@@ -163,3 +163,17 @@ def test_gpu_call_commands():
   tiny = gpu_bench.bench_command("llama8b", "full", "xla", dry_run=True)
   keys = [x.split("=")[0] for x in tiny if x.startswith("--config.")]
   assert len(keys) == len(set(keys)) and "--config.seq_len=128" in tiny and "--config.model.remat=full" in tiny
+
+
+def test_readme_gpu_call_is_the_scripts():
+  # The README's one-call procedure names what the script needs: the carried folder, its command, its wheels.
+  readme = (ROOT / "README.md").read_text()
+  section = readme.split("\n### GPU\n", 1)[1].split("\n### ", 1)[0]
+  assert '`carry`: `["experiments/wheels"]`' in section
+  assert "`command`: `python3 experiments/gpu_bench.py`" in section
+  assert gpu_bench.WHEEL_DIR == ROOT / "experiments" / "wheels"
+  for spec in gpu_bench.WHEELS:
+    name, version = spec.split("==")
+    assert f"{name} {version}" in section
+  assert f"XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_bench.MEM_FRACTION}" in section
+  assert "experiments/wheels/" in (ROOT / ".gitignore").read_text()  # carried, never committed
