@@ -13,6 +13,7 @@ import time
 
 import pytest
 import xla_fast
+from meshtrain.launch import free_port
 from test_recovery import command, losses, run, start, steps_on_disk, wait_for_step
 
 
@@ -218,3 +219,21 @@ def test_repeated_ctrl_c_while_saving_still_saves_and_plots(tmp_path):
   assert (tmp_path / "checkpoints" / str(saved) / "commit_success.txt").exists()
   assert (tmp_path / "loss.png").exists()
   assert max(losses(tmp_path)) == saved
+
+
+def test_every_process_of_a_refused_multi_process_run_stops(tmp_path):
+  # Without a launcher (as under srun): process 0 is refused the lock, and process 1 must stop by itself too,
+  # not wait for its peer at the first collective.
+  first = start(tmp_path)
+  wait_for_step(tmp_path, 2, first)
+  address = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen([sys.executable, "-m", "meshtrain.train", *command(tmp_path)[3:], "--config.cpu_devices=4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**xla_fast.env(), "JAX_COORDINATOR_ADDRESS": address, "MESHTRAIN_NUM_PROCESSES": "2",
+                                 "MESHTRAIN_PROCESS_ID": str(i)}) for i in range(2)]
+  errs = [p.communicate(timeout=120)[1] for p in procs]
+  assert [p.returncode for p in procs] == [2, 2], errs
+  one_line_error(errs[0], "another run is using", f"pid {first.pid}")
+  one_line_error(errs[1], "process 0 could not lock")
+  first.communicate(timeout=300)
+  assert first.returncode == 0 and metrics_steps(tmp_path) == list(range(1, 17))
