@@ -3,9 +3,10 @@
   python -m meshtrain.train --config configs/tiny.py --workdir runs/tiny [--config.KEY=VALUE ...]
 
 Re-running the same command with the same workdir resumes from the latest checkpoint, on whatever mesh and
-process count the new command has. Exit codes: 0 done or preempted (checkpoint saved), 2 a user mistake
-(reported before anything compiles), 3 stopped to protect results (non-finite loss, a checkpoint that could
-not be written), 4 hang watchdog.
+process count the new command has; one run at a time holds a workdir. Exit codes: 0 done or preempted
+(checkpoint saved), 2 a user mistake or a refusal (reported before the first step), 3 stopped to protect
+results (non-finite loss, a checkpoint that could not be written), 4 hang watchdog, 128 + N signal N during
+start-up (130 Ctrl-C, 143 SIGTERM; nothing written).
 """
 import collections
 import concurrent.futures
