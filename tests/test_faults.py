@@ -54,7 +54,8 @@ def test_second_run_on_a_workdir_is_refused_and_the_first_is_untouched(tmp_path)
   refused_in = time.monotonic() - t0
   assert second.returncode == 2
   line = one_line_error(second, "another run is using", f"pid {first.pid}", f"host {socket.gethostname()}", "started")
-  assert refused_in < 30, (refused_in, line)  # before building, restoring or compiling anything
+  # before building, restoring or compiling anything (the time bound is loose: CI's 2 cores run other tests too)
+  assert "mesh:" not in second.stdout and refused_in < 60, (refused_in, second.stdout)
   out, err = first.communicate(timeout=300)
   assert first.returncode == 0 and "done: step 16" in out, err[-2000:]
   assert metrics_steps(tmp_path) == list(range(1, 17))  # the whole history of one run, in order, once
