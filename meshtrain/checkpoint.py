@@ -42,6 +42,10 @@ DAMAGED_NAME = re.compile(r"^(\d+)\.damaged(\.\d+)?$")  # `12.damaged`, or `12.d
 # program per shape and replica: for small arrays that costs more than it saves (4 s of the first save of a tiny
 # model on 8 CPU devices). Only arrays whose per-replica slice is at least this big are split.
 REPLICA_PARALLEL_MIN_SLICE_BYTES = 16 << 20
+# zstd level of the arrays, as Orbax's Zarr v2 arrays (meshtrain's format before checksums) had it. Orbax's Zarr v3
+# default is 3: on float32 weights and Adam moments it compresses no better and costs ~40% more CPU per byte
+# (experiments/checkpoint_checksum_overhead.py), more than the checksums themselves.
+ZSTD_LEVEL = 1
 INTEGRITY_KEY = "integrity"  # in the meta item: {"meta_sha256": ..., "arrays": "crc32c" | None}
 
 
@@ -263,7 +267,8 @@ def _enable_array_checksums() -> bool:
   TensorStore computes the CRC-32C when it encodes a chunk and verifies it when it decodes one (a mismatch is a
   DATA_LOSS error), and Orbax reads the codecs from each array's stored `zarr.json`, so restoring needs nothing.
   Orbax 0.12 builds the codec list in one function without an option for it: this wraps that function (once per
-  process) and checks the result. Another Orbax without that function gets no checksums and a warning.
+  process; it also sets the zstd level, see ZSTD_LEVEL) and checks the result. Another Orbax without that function
+  gets no checksums and a warning.
   """
   try:
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
@@ -277,6 +282,9 @@ def _enable_array_checksums() -> bool:
       codecs = metadata["codecs"]
       if codecs and codecs[0].get("name") == "sharding_indexed":  # the chunks inside each shard
         codecs = codecs[0]["configuration"]["codecs"]
+      for codec in codecs:
+        if codec.get("name") == "zstd":  # Orbax's Zarr v2 arrays used level 1; its v3 default, 3, costs more CPU
+          codec.setdefault("configuration", {})["level"] = ZSTD_LEVEL
       if not any(c.get("name") == "crc32c" for c in codecs):
         codecs.append({"name": "crc32c"})  # last: over the compressed bytes, as they are on disk
       return metadata
