@@ -1,0 +1,133 @@
+"""What checkpoint checksums cost: save and restore of the configs/base125m.py train state (124M parameters and
+both Adam moments, ~1.5 GB float32) with and without them, side by side in one process, rounds interleaved.
+
+  python experiments/checkpoint_checksum_overhead.py [--rounds 5] [--dir /tmp/ckpt_overhead] [--label disk]
+  python experiments/checkpoint_checksum_overhead.py --dir /dev/shm/ckpt_overhead --label tmpfs  # no disk noise
+
+Variants (each through meshtrain.checkpoint.Checkpointer, the code train.py uses):
+  before     checksums=False: the format before checksums (Zarr v2 arrays, meta without a digest)
+  zarr3      checksums=True with the crc32c codec taken out again: the cost of the Zarr v3 format alone
+  checksums  checksums=True: Zarr v3 + TensorStore's crc32c on every chunk + the meta item's sha256 (the default)
+Per round and variant: `save` (the call train.py blocks on: device-to-host copy, async start), `commit` (until
+the checkpoint is committed on disk), `restore` (read back into the same shardings, verified when checksummed),
+and the CPU seconds of the process (all threads) for commit and restore: on a busy machine the wall times of
+disk writes vary by 2x between rounds; the CPU time is what the checksum itself adds.
+The Adam moments are filled with random values first: at init they are zeros, which compress to nothing and
+would make every variant look free. On a CPU-only machine, 8 simulated devices.
+"""
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib  # noqa: E402
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils  # noqa: E402
+
+VARIANTS = ("before", "zarr3", "checksums")
+
+
+def build_state():
+  cfg = config_lib.load(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "base125m.py"), [])
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), 256)
+  state = layout.init(0)
+
+  def randomise(state, key):  # dense, high-entropy moments like those of a trained model
+    leaves, tree = jax.tree.flatten(state.opt_state)
+    keys = jax.random.split(key, len(leaves))
+    leaves = [jax.random.normal(k, x.shape, x.dtype) * 1e-3 if jnp.issubdtype(x.dtype, jnp.floating) else x
+              for k, x in zip(keys, leaves)]
+    return state.replace(opt_state=jax.tree.unflatten(tree, leaves))
+
+  with layout.context():
+    state = jax.jit(randomise, out_shardings=layout.state_sharding)(state, jax.random.key(1))
+  jax.block_until_ready(state)
+  return cfg, layout, state
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--dir", default="/tmp/ckpt_overhead", help="where to write (/dev/shm: no disk noise)")
+  parser.add_argument("--label", default="disk", help="names the JSON written next to this script")
+  args = parser.parse_args()
+  root = pathlib.Path(args.dir)
+  shutil.rmtree(root, ignore_errors=True)
+
+  t0 = time.perf_counter()
+  cfg, layout, state = build_state()
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  print(f"state: {nbytes / 1e9:.3f} GB on {jax.device_count()} devices ({time.perf_counter() - t0:.0f} s to build)",
+        flush=True)
+  meta = {"config": cfg.to_dict(), "layer_order": layout.layer_order, "data": {"next_step": 1}}
+
+  ckpts = {v: checkpoint.Checkpointer(root / v, keep=1, checksums=(v != "before")) for v in VARIANTS}
+  with_crc = ts_utils._build_zarr3_metadata  # wrapped by the Checkpointers above
+  assert getattr(with_crc, "meshtrain_crc32c", False), "the crc32c hook is not installed"
+
+  def without_crc(*args, **kwargs):  # meshtrain's Zarr v3 metadata (zstd level included) less the crc32c codec
+    metadata = with_crc(*args, **kwargs)
+    inner = metadata["codecs"][0]["configuration"]
+    inner["codecs"] = [c for c in inner["codecs"] if c["name"] != "crc32c"]
+    return metadata
+  times = {v: {k: [] for k in ("save", "commit", "restore", "commit_cpu", "restore_cpu")} for v in VARIANTS}
+  sizes = {}
+  for r in range(args.rounds + 1):  # round 0 warms up (first-use compiles of Orbax's slicing programs)
+    order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+    for v in order:
+      ts_utils._build_zarr3_metadata = without_crc if v == "zarr3" else with_crc
+      ckpt, step = ckpts[v], r + 1
+      t, c = time.perf_counter(), time.process_time()  # process_time: CPU seconds of all the process's threads
+      ckpt.save(step, state, meta)
+      saved = time.perf_counter()
+      ckpt.wait()
+      committed, c_committed = time.perf_counter(), time.process_time()
+      restored = ckpt.restore_state(step, layout.state_abstract)
+      jax.block_until_ready(restored)
+      done, c_done = time.perf_counter(), time.process_time()
+      del restored
+      step_dir = root / v / "checkpoints" / str(step)
+      sizes[v] = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+      shutil.rmtree(step_dir)  # one checkpoint on disk per variant at a time
+      ckpt._manager.reload()
+      if r:
+        for key, value in (("save", saved - t), ("commit", committed - t), ("restore", done - committed),
+                           ("commit_cpu", c_committed - c), ("restore_cpu", c_done - c_committed)):
+          times[v][key].append(value)
+      print(f"round {r}{' (warm-up)' if not r else ''} {v:9s}: save {saved - t:6.2f} s, commit {committed - t:6.2f} s "
+            f"(CPU {c_committed - c:6.2f} s), restore {done - committed:6.2f} s (CPU {c_done - c_committed:6.2f} s), "
+            f"{sizes[v] / 1e9:.3f} GB on disk", flush=True)
+  ts_utils._build_zarr3_metadata = with_crc
+  for ckpt in ckpts.values():
+    ckpt.close()
+
+  print(f"\nmedian (min) over {args.rounds} rounds, seconds; checkpoint of {nbytes / 1e9:.3f} GB of state")
+  print(f"{'variant':10s} " + " ".join(f"{k:>14s}" for k in times["before"]) + f" {'on disk':>9s}")
+  summary = {}
+  for v in VARIANTS:
+    row = {k: (statistics.median(x), min(x)) for k, x in times[v].items()}
+    summary[v] = {k: {"median": m, "min": lo} for k, (m, lo) in row.items()} | {"bytes_on_disk": sizes[v]}
+    print(f"{v:10s} " + " ".join(f"{m:7.2f} ({lo:5.2f})" for m, lo in row.values()) + f" {sizes[v] / 1e9:7.3f}GB")
+  for k in times["before"]:
+    base = summary["before"][k]["median"]
+    print(f"checksums vs before, {k}: {100 * (summary['checksums'][k]['median'] / base - 1):+.1f}%; "
+          f"checksums vs zarr3 (the crc32c alone): "
+          f"{100 * (summary['checksums'][k]['median'] / summary['zarr3'][k]['median'] - 1):+.1f}%")
+  out = pathlib.Path(__file__).with_name(f"checkpoint_checksum_overhead_{args.label}.json")
+  out.write_text(json.dumps({"rounds": args.rounds, "dir": str(root), "state_bytes": nbytes,
+                             "devices": jax.device_count(), "variants": summary}, indent=2))
+  shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  main()
