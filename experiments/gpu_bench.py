@@ -85,7 +85,7 @@ def summarize(rows: list[dict], attention_note: str) -> str:
                  f"temporaries), compile {x['compile_time_s']:.1f} s, loss {x['losses'][0]:.3f} -> {x['loss']:.3f}")
   for r in rows:
     if not r.get("ok"):
-      lines.append(f"{r['name']:8} remat={r['remat']:9} FAILED ({r['error']}); log: {r['log']}")
+      lines.append(f"{r['name']:8} remat={r['remat']:9} FAILED ({r.get('error', '?')}); log: {r.get('log') or '-'}")
   if not ok:
     lines.append("no run succeeded: see the logs above")
   return "\n".join(lines)
@@ -248,6 +248,7 @@ def benchmark(args, results: pathlib.Path, site: pathlib.Path) -> int:
         if limit < 30:
           rows.append({"name": name, "remat": remat, "ok": False, "error": "skipped: the call's time budget is spent",
                        "log": ""})
+          jsonl.write(json.dumps(rows[-1]) + "\n")
           break
         log = results / f"{name}.{remat}.log"
         t0 = time.monotonic()
@@ -255,8 +256,12 @@ def benchmark(args, results: pathlib.Path, site: pathlib.Path) -> int:
         row = {"name": name, "remat": remat, "attention_requested": attention, "rc": rc,
                "seconds": round(time.monotonic() - t0, 1), "log": log.name, "ok": False}
         try:
-          row.update(ok=rc == 0, result=json.loads(out.strip().splitlines()[-1]))
+          result = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
+          result = None
+        if rc == 0 and isinstance(result, dict):
+          row.update(ok=True, result=result)
+        else:
           tail = [line for line in text.splitlines() if line.strip()][-1:] or ["(no output)"]
           row["error"] = "timed out" if rc == 124 else f"rc {rc}: {tail[0][:300]}"
         rows.append(row)

@@ -177,3 +177,21 @@ def test_readme_gpu_call_is_the_scripts():
     assert f"{name} {version}" in section
   assert f"XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_bench.MEM_FRACTION}" in section
   assert "experiments/wheels/" in (ROOT / ".gitignore").read_text()  # carried, never committed
+
+
+@pytest.mark.parametrize("failure,attempts", [("RESOURCE_EXHAUSTED: Out of memory while trying to allocate", 2),
+                                              ("TypeError: Argument types differ", 1)])
+def test_gpu_call_when_every_run_fails(tmp_path, monkeypatch, failure, attempts):
+  # The whole call (set-up, smoke test, both models, summary) with a benchmark that always fails this way:
+  # out of memory is retried once with full remat, anything else not at all; each attempt keeps its own log.
+  fail = [sys.executable, "-c", f"import sys; print({failure!r}, file=sys.stderr); sys.exit(1)"]
+  monkeypatch.setattr(gpu_bench, "bench_command", lambda name, remat, attention, dry_run: fail + [name, remat])
+  rc = gpu_bench.main(["--dry-run", "--results", str(tmp_path / "out"), "--site", str(tmp_path / "site")])
+  assert rc == 1
+  rows = [json.loads(line) for line in (tmp_path / "out" / "gpu_bench.jsonl").read_text().splitlines()]
+  assert [(r["name"], r["remat"]) for r in rows] == [(n, m) for n in gpu_bench.MODELS
+                                                     for m in gpu_bench.REMATS[:attempts]]
+  assert all(not r["ok"] and failure[:20] in r["error"] for r in rows)
+  logs = sorted(p.name for p in (tmp_path / "out").iterdir())
+  assert logs == sorted(["console.log", "setup.log", "gpu_bench.jsonl"] + [r["log"] for r in rows])
+  assert "no run succeeded" in (tmp_path / "out" / "console.log").read_text()
