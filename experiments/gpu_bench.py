@@ -11,13 +11,17 @@ One call, in order; each step that imports JAX is its own process, so only one h
    unknown flag aborts XLA); cuDNN attention, forward and backward, at both models' head shapes against XLA's.
    If cuDNN fails or disagrees, both models run with model.attention=xla and the summary says so.
 3. llama1b (4 x 4,096 tokens, float32 parameters, bf16 compute), then llama8b (2 x 4,096 tokens, bf16 parameters
-   and Adam moments: 8.0B x 6 bytes = 48 GB), each `python -m meshtrain.bench --json` with save_dots remat. Only
-   an out-of-memory error is retried, with full remat; any other failure is deterministic and is not retried
-   (another compile would fail the same way). Every attempt has its own log.
+   and Adam moments: 8.0B x 6 bytes = 48 GB), each `python -m meshtrain.bench --json` with save_dots remat. At
+   most one retry per model: with full remat after an out-of-memory error, with XLA's attention after an error
+   naming cuDNN; any other failure is deterministic and is not retried (another compile would fail the same
+   way). Every attempt has its own log.
 4. Results in $OUT (the device tool's folder that comes back; else runs/gpu_bench): gpu_bench.jsonl (one line per
-   attempt), console.log (this output), setup.log (set-up and smoke test), NAME.REMAT.log per attempt; at most 7
-   files, within the tool's 8.
+   attempt), console.log (this output), setup.log (set-up and smoke test), NAME.REMAT.ATTENTION.log per attempt;
+   at most 7 files, within the tool's 8.
 The call ends within --budget seconds (default 540, under the tool's 600 s per command), whatever fails.
+
+Through the device tool (README "### GPU"): run(carry=["experiments/wheels"], command="python3
+experiments/gpu_bench.py", timeout_s=600), after `--wheels` here.
 """
 import argparse
 import json
@@ -44,6 +48,7 @@ MODELS = {  # name: (config file, overrides, seconds at most for one attempt)
     "llama8b": ("configs/llama8b.py", {"batch_size": "2", "model.param_dtype": "bfloat16"}, 270),
 }
 REMATS = ("save_dots", "full")  # save_dots first (fastest); full only after running out of memory
+MAX_ATTEMPTS = 2  # per model: time for one more compile, and at most 7 files in $OUT
 # --dry-run: the same commands at shapes a CPU compiles in seconds, on one simulated device.
 TINY_BENCH = {"--steps": "2", "--warmup": "1"}
 TINY = {"seq_len": "128", "cpu_devices": "1", "model.num_layers": "2", "model.d_model": "128", "model.num_heads": "4",
@@ -61,12 +66,17 @@ def bench_command(name: str, remat: str, attention: str, dry_run: bool) -> list[
           *(x for kv in options.items() for x in kv), *(f"--config.{k}={v}" for k, v in settings.items())]
 
 
-def next_remat(remat: str, rc: int, log: str) -> str | None:
-  """The policy to try after a failed attempt: full remat after an out-of-memory error, else none."""
-  if rc == 0 or rc == 124 or not OUT_OF_MEMORY.search(log):
+def next_attempt(remat: str, attention: str, rc: int, log: str) -> tuple[str, str] | None:
+  """(remat, attention) to try after a failed attempt, or None: full remat after running out of memory; XLA's
+  attention after an error naming cuDNN (the smoke test passed, but these shapes failed); nothing after any other
+  error, which would only recur after another compile, nor after running out of time."""
+  if rc in (0, 124):
     return None
-  later = REMATS[REMATS.index(remat) + 1:]
-  return later[0] if later else None
+  if OUT_OF_MEMORY.search(log) and remat != REMATS[-1]:
+    return REMATS[REMATS.index(remat) + 1], attention
+  if attention == "auto" and re.search("cudnn", "\n".join(log.splitlines()[-40:]), re.IGNORECASE):
+    return remat, "xla"
+  return None
 
 
 def summarize(rows: list[dict], attention_note: str) -> str:
@@ -169,12 +179,12 @@ def smoke(dry_run: bool) -> int:
     print(f"error: JAX sees no GPU here ({jax.devices()}); this call benchmarks one GPU", flush=True)
     return 2
   from meshtrain.models import attention
-  L = 128 if dry_run else 1024
+  L = 128 if dry_run else 4096  # the benchmark's sequence length (one sequence: the XLA reference's scores are 2 GB)
   for H, K, E in SMOKE_HEADS:
     keys = jax.random.split(jax.random.key(E), 4)
-    q = jax.random.normal(keys[0], (2, L, H, E), jnp.bfloat16)
-    k, v = (jax.random.normal(key, (2, L, K, E), jnp.bfloat16) for key in keys[1:3])
-    ct = jax.random.normal(keys[3], (2, L, H, E), jnp.float32)
+    q = jax.random.normal(keys[0], (1, L, H, E), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, L, K, E), jnp.bfloat16) for key in keys[1:3])
+    ct = jax.random.normal(keys[3], (1, L, H, E), jnp.float32)
 
     def loss_and_grads(impl):
       f = lambda q, k, v: jnp.sum(attention.causal_attention(q, k, v, impl).astype(jnp.float32) * ct)
@@ -242,18 +252,21 @@ def benchmark(args, results: pathlib.Path, site: pathlib.Path) -> int:
   rows = []
   with open(results / "gpu_bench.jsonl", "w") as jsonl:
     for name in args.models.split(","):
-      remat = REMATS[0]
-      while remat:
+      attempt = (REMATS[0], attention)
+      for _ in range(MAX_ATTEMPTS):
+        if attempt is None:
+          break
+        remat, attention_now = attempt
         limit = min(MODELS[name][2] * (4 if args.dry_run else 1), call.left() - 10)
         if limit < 30:
           rows.append({"name": name, "remat": remat, "ok": False, "error": "skipped: the call's time budget is spent",
                        "log": ""})
           jsonl.write(json.dumps(rows[-1]) + "\n")
           break
-        log = results / f"{name}.{remat}.log"
+        log = results / f"{name}.{remat}.{attention_now}.log"
         t0 = time.monotonic()
-        rc, out, text = call.run(bench_command(name, remat, attention, args.dry_run), log, limit)
-        row = {"name": name, "remat": remat, "attention_requested": attention, "rc": rc,
+        rc, out, text = call.run(bench_command(name, remat, attention_now, args.dry_run), log, limit)
+        row = {"name": name, "remat": remat, "attention_requested": attention_now, "rc": rc,
                "seconds": round(time.monotonic() - t0, 1), "log": log.name, "ok": False}
         try:
           result = json.loads(out.strip().splitlines()[-1])
@@ -267,8 +280,9 @@ def benchmark(args, results: pathlib.Path, site: pathlib.Path) -> int:
         rows.append(row)
         jsonl.write(json.dumps(row) + "\n")
         jsonl.flush()
-        call.say(f"{name} remat={remat}: {'ok' if row['ok'] else row['error']} in {row['seconds']:.0f} s")
-        remat = None if row["ok"] else next_remat(remat, rc, text)
+        call.say(f"{name} remat={remat} attention={attention_now}: {'ok' if row['ok'] else row['error']} "
+                 f"in {row['seconds']:.0f} s")
+        attempt = None if row["ok"] else next_attempt(remat, attention_now, rc, text)
   call.say("\n" + summarize(rows, note))
   return 0 if all(any(r["ok"] for r in rows if r["name"] == name) for name in args.models.split(",")) else 1
 

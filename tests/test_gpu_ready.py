@@ -140,13 +140,16 @@ def test_every_xla_flag_meshtrain_sets_parses():
   assert bad.returncode != 0 and "xla_gpu_enable_no_such_thing" in bad.stderr
 
 
-def test_gpu_call_retries_only_out_of_memory():
+def test_gpu_call_retries_only_what_another_attempt_can_fix():
   oom = "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.1GiB"
-  assert gpu_bench.next_remat("save_dots", 1, oom) == "full"
-  assert gpu_bench.next_remat("full", 1, oom) is None
-  assert gpu_bench.next_remat("save_dots", 1, "TypeError: Argument 'state.opt_state' compiled with bfloat16") is None
-  assert gpu_bench.next_remat("save_dots", 124, oom) is None  # out of time: another compile would not fit either
-  assert gpu_bench.next_remat("save_dots", 0, "") is None
+  assert gpu_bench.next_attempt("save_dots", "auto", 1, oom) == ("full", "auto")
+  assert gpu_bench.next_attempt("full", "auto", 1, oom) is None
+  cudnn = "XlaRuntimeError: INTERNAL: No valid engine configs for Matmul\n... __cudnn$fmhaSoftmax ..."
+  assert gpu_bench.next_attempt("save_dots", "auto", 1, cudnn) == ("save_dots", "xla")
+  assert gpu_bench.next_attempt("save_dots", "xla", 1, cudnn) is None
+  assert gpu_bench.next_attempt("save_dots", "auto", 1, "TypeError: Argument 'state.opt_state' compiled with") is None
+  assert gpu_bench.next_attempt("save_dots", "auto", 124, oom) is None  # out of time: another compile won't fit
+  assert gpu_bench.next_attempt("save_dots", "auto", 0, "") is None
 
 
 def test_gpu_call_summary_when_nothing_succeeded():
@@ -189,8 +192,8 @@ def test_gpu_call_when_every_run_fails(tmp_path, monkeypatch, failure, attempts)
   rc = gpu_bench.main(["--dry-run", "--results", str(tmp_path / "out"), "--site", str(tmp_path / "site")])
   assert rc == 1
   rows = [json.loads(line) for line in (tmp_path / "out" / "gpu_bench.jsonl").read_text().splitlines()]
-  assert [(r["name"], r["remat"]) for r in rows] == [(n, m) for n in gpu_bench.MODELS
-                                                     for m in gpu_bench.REMATS[:attempts]]
+  assert [(r["name"], r["remat"], r["attention_requested"]) for r in rows] == [
+      (n, m, "xla") for n in gpu_bench.MODELS for m in gpu_bench.REMATS[:attempts]]  # xla: no cuDNN on the CPU
   assert all(not r["ok"] and failure[:20] in r["error"] for r in rows)
   logs = sorted(p.name for p in (tmp_path / "out").iterdir())
   assert logs == sorted(["console.log", "setup.log", "gpu_bench.jsonl"] + [r["log"] for r in rows])
