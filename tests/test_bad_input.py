@@ -104,8 +104,10 @@ def tmp(tmp_path):
 
 
 def run(argv, cwd=REPO, module="meshtrain.train", timeout=120):
+  # This checkout's meshtrain, also when the command runs in another directory.
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
   return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=timeout,
-                        cwd=cwd)
+                        cwd=cwd, env=env)
 
 
 def assert_one_error(proc, fragments):
