@@ -101,7 +101,10 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
   is_main = jax.process_index() == 0
   log = functools.partial(print, flush=True) if is_main else (lambda *a, **k: None)
 
-  # --- Layout, data and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
+  # --- Data, layout and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
+  # The data first: a split too short for seq_len is named as such, before any model-sized buffer exists.
+  train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
+  eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh, data.PAD_ID)
   log(f"mesh: {mesh_lib.describe(mesh)}; sharding rules: {cfg.sharding.rules}")
@@ -113,8 +116,6 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
     log(f"pipeline: {stages} stages, {cfg.pipeline.microbatches} micro-batches, {cfg.pipeline.schedule} schedule; "
         f"bubble {bubble_fraction(stages, cfg.pipeline.microbatches, repeats):.1%} of each step idle")
-  train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
-  eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)
   def check(step, meta):
     checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, step, ckpt.directory)
