@@ -118,11 +118,14 @@ def main():
     row = {k: (statistics.median(x), min(x)) for k, x in times[v].items()}
     summary[v] = {k: {"median": m, "min": lo} for k, (m, lo) in row.items()} | {"bytes_on_disk": sizes[v]}
     print(f"{v:10s} " + " ".join(f"{m:7.2f} ({lo:5.2f})" for m, lo in row.values()) + f" {sizes[v] / 1e9:7.3f}GB")
+  # Paired within each round (the variants of a round ran back to back), then the median over rounds: the load of
+  # a shared machine drifts between rounds more than within one.
+  print("\nchecksums vs before | vs zarr3 (the crc32c alone), median over rounds of the per-round ratio:")
   for k in times["before"]:
-    base = summary["before"][k]["median"]
-    print(f"checksums vs before, {k}: {100 * (summary['checksums'][k]['median'] / base - 1):+.1f}%; "
-          f"checksums vs zarr3 (the crc32c alone): "
-          f"{100 * (summary['checksums'][k]['median'] / summary['zarr3'][k]['median'] - 1):+.1f}%")
+    paired = {base: statistics.median(c / b - 1 for c, b in zip(times["checksums"][k], times[base][k]))
+              for base in ("before", "zarr3")}
+    summary["checksums"][k] |= {f"paired_vs_{base}": x for base, x in paired.items()}
+    print(f"  {k:12s} {100 * paired['before']:+6.1f}% | {100 * paired['zarr3']:+6.1f}%")
   out = pathlib.Path(__file__).with_name(f"checkpoint_checksum_overhead_{args.label}.json")
   out.write_text(json.dumps({"rounds": args.rounds, "dir": str(root), "state_bytes": nbytes,
                              "devices": jax.device_count(), "variants": summary}, indent=2))

@@ -5,14 +5,16 @@ Each step directory `WORKDIR/checkpoints/<step>` holds two items: `state` (the s
 when complete, so a run that dies mid-save leaves no half step, and an earlier checkpoint is never touched.
 Orbax does not notice a step directory that lost its commit marker or metadata; `damage()` does.
 
-Integrity: every byte that decides a restored value is covered by a checksum that is verified when it is read.
+Integrity: the bytes a restore takes values from, and those that locate them, carry checksums verified as read.
 - Array data: each chunk carries a CRC-32C (the Zarr v3 `crc32c` codec), written and verified by TensorStore
   itself on every read; a mismatch is TensorStore's `DATA_LOSS ... Digest mismatch`, naming the array.
 - The OCDBT manifests and B+tree nodes (which hold each array's `zarr.json`): TensorStore's own CRC-32C.
 - The `meta` item: a SHA-256 of its content, stored in it under `integrity` and verified by `read_meta`.
-Orbax has no option for the array checksums; `_enable_array_checksums` adds the codec to the Zarr v3 metadata
-Orbax builds. Checkpoints written before checksums (no `integrity` in meta) still restore, with a note that they
-are unverified.
+Orbax's own JSON files (`state/_METADATA`: the tree structure; `_sharding`; `_CHECKPOINT_METADATA`) carry none: a
+flipped bit there either fails the restore (reported as damage) or changes nothing restored; a sweep of random
+flips found no third outcome. Orbax has no option for the array checksums; `_enable_array_checksums` adds the
+codec to the Zarr v3 metadata Orbax builds. Checkpoints written before checksums (Zarr v2, no `integrity` in
+meta) still restore, with a note that they are unverified.
 """
 import contextlib
 import functools
