@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 
 import flax.linen as nn
 import jax
@@ -17,7 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain import optim, sharding, step as step_lib
+from meshtrain import config as config_lib, optim, sharding, step as step_lib
 from meshtrain.errors import UserError
 from meshtrain.parallel import context
 from meshtrain.models import attention
@@ -190,12 +189,7 @@ def device_memory(mesh: Mesh) -> tuple[int, str]:
   stats = device.memory_stats() or {}
   if "bytes_limit" in stats:
     return stats["bytes_limit"], f"the {device.device_kind} allocator's limit"
-  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  try:
-    with open("/sys/fs/cgroup/memory.max") as f:
-      ram = min(ram, int(f.read()))
-  except (OSError, ValueError):  # no cgroup v2 limit ("max", or not in a container)
-    pass
+  ram = config_lib.host_memory_bytes()
   local = len(mesh.local_devices)
   return ram // local, f"{ram / 1e9:.1f} GB of host RAM shared by {local} simulated CPU devices"
 
