@@ -1,6 +1,6 @@
 """Flip one random bit in each file of a checkpoint, many times, and classify what restoring it then does.
 
-  python experiments/checkpoint_bitflip_sweep.py [--flips 10] [--metadata-flips 40] [--seed 0]
+  python experiments/checkpoint_bitflip_sweep.py [--flips 10] [--metadata-flips 40] [--seed 0] [--before]
 
 A checkpoint of the tiny model's train state (Adam moments filled with random values) is written with
 meshtrain.checkpoint.Checkpointer; for every file of it (commit markers aside) and every flip, a copy is restored
@@ -8,7 +8,8 @@ with `restore_latest` as train.py does. Outcomes:
   damaged     refused, with the reason `restore_latest` gives (exit code 2 in train.py)
   identical   restored, every array and the meta item equal to what was saved (the bit was not used)
   WRONG       restored, something differs: the failure checksums exist to prevent
-The table is printed and written to experiments/checkpoint_bitflip_sweep.json. On a CPU-only machine, 1 device.
+The table is printed and written to experiments/checkpoint_bitflip_sweep.json (with --before, a checkpoint in
+the format before checksums: checkpoint_bitflip_sweep_before.json). On a CPU-only machine, 1 device.
 """
 import argparse
 import collections
@@ -35,9 +36,11 @@ from meshtrain.errors import UserError  # noqa: E402
 STEP = 8
 
 
-def kind(rel: str) -> str:
-  """Files of one role share a row: the data files are named by random ids."""
-  return re.sub(r"/d/[0-9a-f]+$", "/d/*", rel)
+def kind(rel: str, size: int) -> str:
+  """Files of one role share a row: data files (random names) by size, array chunks being the large ones."""
+  if re.search(r"/d/[0-9a-f]+$", rel):
+    return re.sub(r"/d/[0-9a-f]+$", "/d/*", rel) + (" (>= 64 KiB)" if size >= 64 << 10 else " (< 64 KiB)")
+  return rel
 
 
 def main():
@@ -45,6 +48,7 @@ def main():
   parser.add_argument("--flips", type=int, default=10, help="random flips per file")
   parser.add_argument("--metadata-flips", type=int, default=40, help="random flips in state/_METADATA")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--before", action="store_true", help="write the checkpoint as before checksums (Zarr v2)")
   args = parser.parse_args()
   root = pathlib.Path(tempfile.mkdtemp(prefix="bitflip_sweep_"))
 
@@ -60,7 +64,7 @@ def main():
       for k, x in zip(keys, leaves)]))
   saved = jax.device_get(state)
   meta = {"config": cfg.to_dict(), "layer_order": layout.layer_order, "data": {"next_step": STEP}}
-  ckpt = checkpoint.Checkpointer(root / "src", keep=1)
+  ckpt = checkpoint.Checkpointer(root / "src", keep=1, checksums=not args.before)
   ckpt.save(STEP, state, meta)
   ckpt.wait()
   ckpt.close()
@@ -72,6 +76,8 @@ def main():
   outcomes = collections.defaultdict(collections.Counter)
   reasons = collections.defaultdict(collections.Counter)
   for rel in files:
+    row = kind(rel, (step_dir / rel).stat().st_size)
+    mine = collections.Counter()
     for _ in range(args.metadata_flips if rel == "state/_METADATA" else args.flips):
       work = root / "work"
       shutil.rmtree(work, ignore_errors=True)
@@ -90,11 +96,12 @@ def main():
       except UserError as e:
         outcome = "damaged"
         reason = str(e).split("is damaged: ", 1)[-1]
-        reasons[kind(rel)][re.sub(r"[0-9a-f]{6,}|\d+", "#", reason.split(" (")[0])[:80]] += 1
+        reasons[row][re.sub(r"[0-9a-f]{6,}|\d+", "#", reason.split(" (")[0])[:80]] += 1
       finally:
         ckpt.close()
-      outcomes[kind(rel)][outcome] += 1
-    print(f"{rel:60s} {dict(outcomes[kind(rel)])}", flush=True)
+      outcomes[row][outcome] += 1
+      mine[outcome] += 1
+    print(f"{rel:60s} {(step_dir / rel).stat().st_size:9,d} bytes {dict(mine)}", flush=True)
 
   print(f"\n{'file':52s} {'flips':>6s} {'damaged':>8s} {'identical':>10s} {'WRONG':>6s}")
   for name, counts in outcomes.items():
@@ -103,8 +110,9 @@ def main():
   for name, counter in reasons.items():
     for reason, n in counter.most_common(3):
       print(f"  {name}: {n} x {reason}")
-  pathlib.Path(__file__).with_suffix(".json").write_text(json.dumps(
-      {"seed": args.seed, "outcomes": outcomes, "reasons": reasons}, indent=2))
+  out = pathlib.Path(__file__).with_name(f"checkpoint_bitflip_sweep{'_before' if args.before else ''}.json")
+  out.write_text(json.dumps({"seed": args.seed, "before_checksums": args.before, "outcomes": outcomes,
+                             "reasons": reasons}, indent=2))
   shutil.rmtree(root, ignore_errors=True)
 
 

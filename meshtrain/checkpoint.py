@@ -208,7 +208,7 @@ class Checkpointer:
     log = self._output.log_path(self._in_flight)
     report = f" Orbax's own report: {log}." if self._in_flight is not None and log.is_file() else ""
     return RunAborted(f"the checkpoint of step {self._in_flight} could not be written to "
-                      f"{self.directory}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. The run stopped rather "
+                      f"{self.directory}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}. The run stopped rather "
                       f"than continue unsaved; earlier checkpoints are intact (latest committed: "
                       f"{self._latest_complete()}).{report} Free space or fix the directory, then rerun to resume")
 
@@ -251,7 +251,8 @@ def _restore_problem(error: BaseException, step_dir: pathlib.Path) -> str:
   # TensorStore's own status (`DATA_LOSS: ...`) says more than the Orbax exception wrapping it.
   status = next((str(e) for e in chain if re.match(r"[A-Z_]+: ", str(e)) or 'local file "' in str(e)), None)
   if status is None:
-    return f"restore failed: {str(error).split('. See full TensorStore details')[0].splitlines()[0][:300]}"
+    lines = str(error).split(". See full TensorStore details")[0].splitlines()
+    return f"restore failed: {type(error).__name__}: {lines[0][:300] if lines else '(no message)'}"
   status = status.split(" [tensorstore_spec=")[0].splitlines()[0]
   if m := _CHUNK_MISMATCH.search(status):
     return f"array {m[1]} fails its checksum (chunk {m[2]}: {m[3][:120]})"
