@@ -248,7 +248,7 @@ def test_unwritable_workdir_is_reported_at_start(tmp_path):
   (tmp_path / "file").write_text("not a directory")
   proc = run(tmp_path / "file" / "run")
   assert proc.returncode == 2
-  assert "cannot write checkpoints to" in proc.stderr and "Traceback" not in proc.stderr
+  assert "which is a file, not a directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_missing_peer_is_a_clear_error_not_a_hang(tmp_path):
