@@ -1,6 +1,7 @@
 """Flip one random bit in each file of a checkpoint, many times, and classify what restoring it then does.
 
-  python experiments/checkpoint_bitflip_sweep.py [--flips 10] [--metadata-flips 40] [--seed 0] [--before]
+  python experiments/checkpoint_bitflip_sweep.py [--flips 10] [--metadata-flips 40] [--data-flips 50] [--before]
+      [--array-checksum zstd|crc32c] [--seed 0]
 
 A checkpoint of the tiny model's train state (Adam moments filled with random values) is written with
 meshtrain.checkpoint.Checkpointer; for every file of it (commit markers aside) and every flip, a copy is restored
@@ -8,8 +9,8 @@ with `restore_latest` as train.py does. Outcomes:
   damaged     refused, with the reason `restore_latest` gives (exit code 2 in train.py)
   identical   restored, every array and the meta item equal to what was saved (the bit was not used)
   WRONG       restored, something differs: the failure checksums exist to prevent
-The table is printed and written to experiments/checkpoint_bitflip_sweep.json (with --before, a checkpoint in
-the format before checksums: checkpoint_bitflip_sweep_before.json). On a CPU-only machine, 1 device.
+The table is printed and written to experiments/checkpoint_bitflip_sweep_<crc32c|zstd>.json (with --before, a
+checkpoint in the format before checksums: checkpoint_bitflip_sweep_before.json). On a CPU-only machine, 1 device.
 """
 import argparse
 import collections
@@ -47,10 +48,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--flips", type=int, default=10, help="random flips per file")
   parser.add_argument("--metadata-flips", type=int, default=40, help="random flips in state/_METADATA")
+  parser.add_argument("--data-flips", type=int, default=50, help="random flips per data file of 64 KiB or more")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--before", action="store_true", help="write the checkpoint as before checksums (Zarr v2)")
+  parser.add_argument("--array-checksum", default=checkpoint.ARRAY_CHECKSUM, choices=("crc32c", "zstd"))
   args = parser.parse_args()
   root = pathlib.Path(tempfile.mkdtemp(prefix="bitflip_sweep_"))
+  checkpoint.ARRAY_CHECKSUM = args.array_checksum
 
   cfg = config_lib.load(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py"), [])
   cfg.seq_len = 64
@@ -78,7 +82,9 @@ def main():
   for rel in files:
     row = kind(rel, (step_dir / rel).stat().st_size)
     mine = collections.Counter()
-    for _ in range(args.metadata_flips if rel == "state/_METADATA" else args.flips):
+    flips = args.metadata_flips if rel == "state/_METADATA" else args.data_flips if "64 KiB)" in row and ">=" in row \
+        else args.flips
+    for _ in range(flips):
       work = root / "work"
       shutil.rmtree(work, ignore_errors=True)
       shutil.copytree(root / "src", work)
@@ -110,8 +116,10 @@ def main():
   for name, counter in reasons.items():
     for reason, n in counter.most_common(3):
       print(f"  {name}: {n} x {reason}")
-  out = pathlib.Path(__file__).with_name(f"checkpoint_bitflip_sweep{'_before' if args.before else ''}.json")
-  out.write_text(json.dumps({"seed": args.seed, "before_checksums": args.before, "outcomes": outcomes,
+  label = "_before" if args.before else f"_{args.array_checksum}"
+  out = pathlib.Path(__file__).with_name(f"checkpoint_bitflip_sweep{label}.json")
+  out.write_text(json.dumps({"seed": args.seed, "before_checksums": args.before,
+                             "array_checksum": None if args.before else args.array_checksum, "outcomes": outcomes,
                              "reasons": reasons}, indent=2))
   shutil.rmtree(root, ignore_errors=True)
 

@@ -6,8 +6,10 @@ both Adam moments, ~1.5 GB float32) with and without them, side by side in one p
 
 Variants (each through meshtrain.checkpoint.Checkpointer, the code train.py uses):
   before     checksums=False: the format before checksums (Zarr v2 arrays, meta without a digest)
-  zarr3      checksums=True with the crc32c codec taken out again: the cost of the Zarr v3 format alone
-  checksums  checksums=True: Zarr v3 + TensorStore's crc32c on every chunk + the meta item's sha256 (the default)
+  zarr3      checksums=True, ARRAY_CHECKSUM=None: meshtrain's Zarr v3 arrays without a chunk checksum
+  crc32c     checksums=True, ARRAY_CHECKSUM="crc32c": + the Zarr v3 crc32c codec on every chunk
+  zstd       checksums=True, ARRAY_CHECKSUM="zstd": + zstd's content checksum on every chunk
+(all three checksums=True variants also write the meta item's sha256).
 Per round and variant: `save` (the call train.py blocks on: device-to-host copy, async start), `commit` (until
 the checkpoint is committed on disk), `restore` (read back into the same shardings, verified when checksummed),
 and the CPU seconds of the process (all threads) for commit and restore: on a busy machine the wall times of
@@ -32,9 +34,11 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib  # noqa: E402
+import tensorstore as ts  # noqa: E402
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils  # noqa: E402
 
-VARIANTS = ("before", "zarr3", "checksums")
+VARIANTS = ("before", "zarr3", "crc32c", "zstd")
+CHECKSUM = {"before": None, "zarr3": None, "crc32c": "crc32c", "zstd": "zstd"}  # checkpoint.ARRAY_CHECKSUM
 
 
 def build_state():
@@ -72,20 +76,13 @@ def main():
   meta = {"config": cfg.to_dict(), "layer_order": layout.layer_order, "data": {"next_step": 1}}
 
   ckpts = {v: checkpoint.Checkpointer(root / v, keep=1, checksums=(v != "before")) for v in VARIANTS}
-  with_crc = ts_utils._build_zarr3_metadata  # wrapped by the Checkpointers above
-  assert getattr(with_crc, "meshtrain_crc32c", False), "the crc32c hook is not installed"
-
-  def without_crc(*args, **kwargs):  # meshtrain's Zarr v3 metadata (zstd level included) less the crc32c codec
-    metadata = with_crc(*args, **kwargs)
-    inner = metadata["codecs"][0]["configuration"]
-    inner["codecs"] = [c for c in inner["codecs"] if c["name"] != "crc32c"]
-    return metadata
+  assert getattr(ts_utils._build_zarr3_metadata, "meshtrain_checksum", False), "the checksum hook is not installed"
   times = {v: {k: [] for k in ("save", "commit", "restore", "commit_cpu", "restore_cpu")} for v in VARIANTS}
   sizes = {}
   for r in range(args.rounds + 1):  # round 0 warms up (first-use compiles of Orbax's slicing programs)
     order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
     for v in order:
-      ts_utils._build_zarr3_metadata = without_crc if v == "zarr3" else with_crc
+      checkpoint.ARRAY_CHECKSUM = CHECKSUM[v]  # read by the hook whenever Orbax builds an array's metadata
       ckpt, step = ckpts[v], r + 1
       t, c = time.perf_counter(), time.process_time()  # process_time: CPU seconds of all the process's threads
       ckpt.save(step, state, meta)
@@ -97,6 +94,10 @@ def main():
       done, c_done = time.perf_counter(), time.process_time()
       del restored
       step_dir = root / v / "checkpoints" / str(step)
+      if v != "before":  # the variant wrote what it claims
+        store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{step_dir / 'state'}/"}).result()
+        zarr = json.loads(store.read(b"params.embedding/zarr.json").result().value)
+        assert checkpoint._checksum_of(checkpoint._chunk_codecs(zarr)) == CHECKSUM[v], (v, zarr["codecs"])
       sizes[v] = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
       shutil.rmtree(step_dir)  # one checkpoint on disk per variant at a time
       ckpt._manager.reload()
@@ -107,7 +108,6 @@ def main():
       print(f"round {r}{' (warm-up)' if not r else ''} {v:9s}: save {saved - t:6.2f} s, commit {committed - t:6.2f} s "
             f"(CPU {c_committed - c:6.2f} s), restore {done - committed:6.2f} s (CPU {c_done - c_committed:6.2f} s), "
             f"{sizes[v] / 1e9:.3f} GB on disk", flush=True)
-  ts_utils._build_zarr3_metadata = with_crc
   for ckpt in ckpts.values():
     ckpt.close()
 
@@ -120,12 +120,15 @@ def main():
     print(f"{v:10s} " + " ".join(f"{m:7.2f} ({lo:5.2f})" for m, lo in row.values()) + f" {sizes[v] / 1e9:7.3f}GB")
   # Paired within each round (the variants of a round ran back to back), then the median over rounds: the load of
   # a shared machine drifts between rounds more than within one.
-  print("\nchecksums vs before | vs zarr3 (the crc32c alone), median over rounds of the per-round ratio:")
+  print("\nmedian over rounds of the per-round ratio: checksum vs before (Zarr v2) | vs zarr3 (the checksum alone)")
   for k in times["before"]:
-    paired = {base: statistics.median(c / b - 1 for c, b in zip(times["checksums"][k], times[base][k]))
-              for base in ("before", "zarr3")}
-    summary["checksums"][k] |= {f"paired_vs_{base}": x for base, x in paired.items()}
-    print(f"  {k:12s} {100 * paired['before']:+6.1f}% | {100 * paired['zarr3']:+6.1f}%")
+    cells = []
+    for v in ("crc32c", "zstd"):
+      paired = {base: statistics.median(c / b - 1 for c, b in zip(times[v][k], times[base][k]))
+                for base in ("before", "zarr3")}
+      summary[v][k] |= {f"paired_vs_{base}": x for base, x in paired.items()}
+      cells.append(f"{v} {100 * paired['before']:+6.1f}% | {100 * paired['zarr3']:+6.1f}%")
+    print(f"  {k:12s} " + "    ".join(cells))
   out = pathlib.Path(__file__).with_name(f"checkpoint_checksum_overhead_{args.label}.json")
   out.write_text(json.dumps({"rounds": args.rounds, "dir": str(root), "state_bytes": nbytes,
                              "devices": jax.device_count(), "variants": summary}, indent=2))

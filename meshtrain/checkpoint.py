@@ -6,8 +6,9 @@ when complete, so a run that dies mid-save leaves no half step, and an earlier c
 Orbax does not notice a step directory that lost its commit marker or metadata; `damage()` does.
 
 Integrity: the bytes a restore takes values from, and those that locate them, carry checksums verified as read.
-- Array data: each chunk carries a CRC-32C (the Zarr v3 `crc32c` codec), written and verified by TensorStore
-  itself on every read; a mismatch is TensorStore's `DATA_LOSS ... Digest mismatch`, naming the array.
+- Array data: each chunk carries a checksum that TensorStore writes and verifies itself as it decodes the chunk:
+  zstd's frame content checksum (XXH64 of the chunk, computed while compressing), or with ARRAY_CHECKSUM="crc32c"
+  the Zarr v3 `crc32c` codec. A mismatch is a TensorStore error naming the array and chunk.
 - The OCDBT manifests and B+tree nodes (which hold each array's `zarr.json`): TensorStore's own CRC-32C.
 - The `meta` item: a SHA-256 of its content, stored in it under `integrity` and verified by `read_meta`.
 Orbax's own JSON files (`state/_METADATA`: the tree structure; `_sharding`; `_CHECKPOINT_METADATA`) carry none: a
@@ -45,10 +46,16 @@ DAMAGED_NAME = re.compile(r"^(\d+)\.damaged(\.\d+)?$")  # `12.damaged`, or `12.d
 # model on 8 CPU devices). Only arrays whose per-replica slice is at least this big are split.
 REPLICA_PARALLEL_MIN_SLICE_BYTES = 16 << 20
 # zstd level of the arrays, as Orbax's Zarr v2 arrays (meshtrain's format before checksums) had it. Orbax's Zarr v3
-# default is 3: on float32 weights and Adam moments it compresses no better and costs ~40% more CPU per byte
-# (experiments/checkpoint_checksum_overhead.py), more than the checksums themselves.
+# default is 3: on float32 weights and Adam moments it compresses no better and costs ~35% more CPU per byte
+# (TensorStore writes of 0.4 GB of random float32: 1.10 s CPU at level 3, 0.80 s at level 1, 0.82 s for Zarr v2).
 ZSTD_LEVEL = 1
-INTEGRITY_KEY = "integrity"  # in the meta item: {"meta_sha256": ..., "arrays": "crc32c" | None}
+# The checksum of every array chunk, both verified by TensorStore as it decodes the chunk: "zstd" (zstd's frame
+# content checksum: the low 32 bits of an XXH64 of the chunk's bytes, computed while compressing; arrays stored
+# without zstd get the crc32c) or "crc32c" (the Zarr v3 codec: a CRC-32C of the stored bytes). On the 124M model's
+# 1.48 GB state, zstd's costs +1.7% commit and +0.3% restore time over no checksum, crc32c's +8% and +16%
+# (experiments/checkpoint_checksum_overhead.py); both caught every flipped bit in array data.
+ARRAY_CHECKSUM = "zstd"
+INTEGRITY_KEY = "integrity"  # in the meta item: {"meta_sha256": ..., "arrays": ARRAY_CHECKSUM or None}
 
 
 class CheckpointDamaged(Exception):
@@ -63,7 +70,7 @@ class Checkpointer:
     _probe_writable(self.directory)
     self._in_flight = None  # the step of the last async save started: the one a late failure belongs to
     self._checksums = checksums
-    self._array_checksums = checksums and _enable_array_checksums()
+    self._array_checksums = _enable_array_checksums() if checksums else None  # "crc32c", "zstd" or None
     self._output = _BackgroundOutput(self.directory.parent / "diagnostics")
     ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES), override=True)
@@ -183,8 +190,8 @@ class Checkpointer:
     try:
       self._wait()  # a failure of the previous async save surfaces here, under its step
       self._in_flight = self._output.step = step
-      meta = {**meta, INTEGRITY_KEY: {"meta_sha256": _digest(meta), "arrays": "crc32c" if self._array_checksums
-                                      else None}} if self._checksums else meta
+      if self._checksums:
+        meta = {**meta, INTEGRITY_KEY: {"meta_sha256": _digest(meta), "arrays": self._array_checksums}}
       state_args = ocp.args.PyTreeSave(state) if self._checksums else ocp.args.StandardSave(state)
       self._manager.save(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonSave(meta)), force=True)
     except Exception as e:
@@ -236,10 +243,11 @@ def _unused_name(path: pathlib.Path) -> pathlib.Path:
   return candidate
 
 
-# TensorStore's report of a chunk whose CRC-32C does not match names the array (Orbax's key) and the chunk:
-# `DATA_LOSS: Error reading shard entry {0, 0}/{1, 1} in "opt_state.1.0.mu.embedding/c/0/0" in OCDBT database at
-# local file ".../state/": Digest mismatch, stored digest is 0x... but computed digest is 0x...`.
-_CHUNK_MISMATCH = re.compile(r'in "([^"]+?)/(c/[0-9/]+)" in OCDBT database.*?: (Digest mismatch.*)')
+# TensorStore names the array (Orbax's key) and chunk it failed to decode, e.g. `DATA_LOSS: Error reading shard
+# entry {0, 0}/{1, 1} in "opt_state.1.0.mu.embedding/c/0/0" in OCDBT database at local file ".../state/": Digest
+# mismatch, stored digest is 0x... but computed digest is 0x...` (crc32c), or `...: ZSTD_decompressStream()
+# failed: Restored data doesn't match checksum` (zstd's checksum).
+_CHUNK_FAILURE = re.compile(r'in "([^"]+?)/(c/[0-9/]+)" in OCDBT database at local file "[^"]*": (.*)')
 
 
 def _restore_problem(error: BaseException, step_dir: pathlib.Path) -> str:
@@ -254,8 +262,9 @@ def _restore_problem(error: BaseException, step_dir: pathlib.Path) -> str:
     lines = str(error).split(". See full TensorStore details")[0].splitlines()
     return f"restore failed: {type(error).__name__}: {lines[0][:300] if lines else '(no message)'}"
   status = status.split(" [tensorstore_spec=")[0].splitlines()[0]
-  if m := _CHUNK_MISMATCH.search(status):
-    return f"array {m[1]} fails its checksum (chunk {m[2]}: {m[3][:120]})"
+  if m := _CHUNK_FAILURE.search(status):
+    verdict = "fails its checksum" if re.search(r"checksum|digest mismatch", m[3], re.I) else "cannot be decoded"
+    return f"array {m[1]} {verdict} (chunk {m[2]}: {m[3][:120]})"
   files = re.findall(r'local file "([^"]+)"', status)
   where = files[-1].replace(f"{step_dir.parent}/", "") if files else "?"
   reason = status.rsplit('": ', 1)[-1][:200]
@@ -264,46 +273,63 @@ def _restore_problem(error: BaseException, step_dir: pathlib.Path) -> str:
   return f"restore failed: {where}: {reason}"
 
 
-def _enable_array_checksums() -> bool:
-  """Makes every Zarr v3 array Orbax writes carry TensorStore's `crc32c` codec on each chunk; True if it does.
+def _chunk_codecs(metadata: dict) -> list:
+  """The codecs each chunk goes through: inside Orbax's `sharding_indexed` codec (one chunk per shard)."""
+  codecs = metadata["codecs"]
+  if codecs and codecs[0].get("name") == "sharding_indexed":
+    return codecs[0]["configuration"]["codecs"]
+  return codecs
 
-  TensorStore computes the CRC-32C when it encodes a chunk and verifies it when it decodes one (a mismatch is a
-  DATA_LOSS error), and Orbax reads the codecs from each array's stored `zarr.json`, so restoring needs nothing.
-  Orbax 0.12 builds the codec list in one function without an option for it: this wraps that function (once per
-  process; it also sets the zstd level, see ZSTD_LEVEL) and checks the result. Another Orbax without that function
-  gets no checksums and a warning.
+
+def _checksum_of(codecs: list) -> str | None:
+  """Which checksum the chunk codecs carry: "crc32c", "zstd" (zstd's content checksum) or None."""
+  if any(c.get("name") == "crc32c" for c in codecs):
+    return "crc32c"
+  if any(c.get("name") == "zstd" and c.get("configuration", {}).get("checksum") for c in codecs):
+    return "zstd"
+  return None
+
+
+def _enable_array_checksums() -> str | None:
+  """Makes every Zarr v3 array Orbax writes carry a checksum on each chunk (ARRAY_CHECKSUM); returns which, or None.
+
+  TensorStore computes it when it encodes a chunk and checks it when it decodes one (a mismatch is a DATA_LOSS
+  error naming the array), and Orbax reads the codecs from each array's stored `zarr.json`, so restoring needs
+  nothing. Orbax 0.12 builds the codec list in one function without an option for it: this wraps that function
+  (once per process; it also sets the zstd level, see ZSTD_LEVEL) and checks the result. Another Orbax without that
+  function gets no array checksums and a warning.
   """
   try:
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
     build = ts_utils._build_zarr3_metadata
   except (ImportError, AttributeError):
     build = ts_utils = None
-  if build is not None and not getattr(build, "meshtrain_crc32c", False):
+  if build is not None and not getattr(build, "meshtrain_checksum", False):
     @functools.wraps(build)
-    def with_crc32c(*args, **kwargs):
+    def with_checksum(*args, **kwargs):
       metadata = build(*args, **kwargs)
-      codecs = metadata["codecs"]
-      if codecs and codecs[0].get("name") == "sharding_indexed":  # the chunks inside each shard
-        codecs = codecs[0]["configuration"]["codecs"]
-      for codec in codecs:
-        if codec.get("name") == "zstd":  # Orbax's Zarr v2 arrays used level 1; its v3 default, 3, costs more CPU
-          codec.setdefault("configuration", {})["level"] = ZSTD_LEVEL
-      if not any(c.get("name") == "crc32c" for c in codecs):
+      codecs = _chunk_codecs(metadata)
+      zstd = next((c for c in codecs if c.get("name") == "zstd"), None)
+      if zstd is not None:  # Orbax's Zarr v2 arrays used level 1; its v3 default, 3, costs more CPU
+        zstd.setdefault("configuration", {})["level"] = ZSTD_LEVEL
+      kind = ARRAY_CHECKSUM if ARRAY_CHECKSUM != "zstd" or zstd is not None else "crc32c"  # no zstd: crc32c
+      if kind == "zstd":
+        zstd["configuration"]["checksum"] = True
+      elif kind == "crc32c" and _checksum_of(codecs) != "crc32c":
         codecs.append({"name": "crc32c"})  # last: over the compressed bytes, as they are on disk
       return metadata
-    with_crc32c.meshtrain_crc32c = True
-    ts_utils._build_zarr3_metadata = with_crc32c
+    with_checksum.meshtrain_checksum = True
+    ts_utils._build_zarr3_metadata = with_checksum
   try:
     built = ts_utils._build_zarr_shard_and_chunk_metadata(global_shape=(4,), shard_shape=(4,), use_zarr3=True,
                                                           chunk_shape=(4,))[0]
-    ok = "crc32c" in json.dumps(built["codecs"])
+    kind = _checksum_of(_chunk_codecs(built))
   except Exception:
-    ok = False
-  if not ok and jax.process_index() == 0:
+    kind = None
+  if kind is None and jax.process_index() == 0:
     print(f"warning: checkpoint arrays are written without checksums: this Orbax ({ocp.__version__}) has no "
-          "_build_zarr3_metadata to add TensorStore's crc32c codec to (the meta item is still checksummed)",
-          file=sys.stderr, flush=True)
-  return ok
+          "_build_zarr3_metadata to add them to (the meta item is still checksummed)", file=sys.stderr, flush=True)
+  return kind
 
 
 class _BackgroundOutput:
