@@ -327,8 +327,9 @@ def _enable_array_checksums() -> str | None:
   except Exception:
     kind = None
   if kind is None and jax.process_index() == 0:
-    print(f"warning: checkpoint arrays are written without checksums: this Orbax ({ocp.__version__}) has no "
-          "_build_zarr3_metadata to add them to (the meta item is still checksummed)", file=sys.stderr, flush=True)
+    print(f"warning: checkpoint arrays are written without checksums: meshtrain could not add them to the Zarr v3 "
+          f"metadata of this Orbax ({ocp.__version__}; it hooks tensorstore_utils._build_zarr3_metadata). The meta "
+          "item is still checksummed", file=sys.stderr, flush=True)
   return kind
 
 
