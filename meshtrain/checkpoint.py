@@ -263,8 +263,9 @@ def _restore_problem(error: BaseException, step_dir: pathlib.Path) -> str:
     return f"restore failed: {type(error).__name__}: {lines[0][:300] if lines else '(no message)'}"
   status = status.split(" [tensorstore_spec=")[0].splitlines()[0]
   if m := _CHUNK_FAILURE.search(status):
-    verdict = "fails its checksum" if re.search(r"checksum|digest mismatch", m[3], re.I) else "cannot be decoded"
-    return f"array {m[1]} {verdict} (chunk {m[2]}: {m[3][:120]})"
+    if re.search(r"checksum|digest mismatch", m[3], re.I):
+      return f"array {m[1]} fails its checksum (chunk {m[2]}: {m[3][:120]})"
+    return f"restore failed: array {m[1]} cannot be read (chunk {m[2]}: {m[3][:120]})"  # e.g. a truncated file
   files = re.findall(r'local file "([^"]+)"', status)
   where = files[-1].replace(f"{step_dir.parent}/", "") if files else "?"
   reason = status.rsplit('": ', 1)[-1][:200]
