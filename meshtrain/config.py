@@ -459,7 +459,7 @@ def _check_values(cfg) -> None:
                       "'train[:90%]'" + (" (or set eval_every=0 to skip evaluation)" if key == "data.eval_split" else ""))
   for key, value in (("data.data_dir", data.data_dir), ("compilation_cache_dir", cfg.compilation_cache_dir)):
     if value:
-      _check_directory(key, os.path.expanduser(value))
+      check_directory(key, os.path.expanduser(value))
   for flag in cfg.xla_flags.split():
     if not re.fullmatch(r"--xla_\w+(=.*)?", flag):
       raise UserError(f"xla_flags holds {flag!r}, which is not an XLA flag: XLA flags look like "
@@ -467,15 +467,17 @@ def _check_values(cfg) -> None:
                       "without --)")
 
 
-def _check_directory(key: str, path: str) -> None:
-  """`path` is a directory or can become one: neither it nor any parent is an existing non-directory."""
+def check_directory(key: str, path: str) -> pathlib.Path:
+  """`path` is a directory or can become one: neither it nor any parent is an existing non-directory. Returns the
+  nearest existing one (`path` itself, or the parent it would be created in)."""
   p = pathlib.Path(path)
   for candidate in [p, *p.parents]:
     if candidate.exists():
-      if not candidate.is_dir():
-        what = "is a file" if candidate == p else f"lies under {str(candidate)!r}, which is a file"
-        raise UserError(f"{key}={path!r} {what}, not a directory; point it at a directory (it is created if missing)")
-      return
+      break
+  if not candidate.is_dir():
+    what = "is a file" if candidate == p else f"lies under {str(candidate)!r}, which is a file"
+    raise UserError(f"{key}={path!r} {what}, not a directory; point it at a directory (it is created if missing)")
+  return candidate
 
 
 def _check_step_fields(cfg, overridden: set[str]) -> None:

@@ -42,13 +42,7 @@ def check_workdir(path: str) -> pathlib.Path:
     raise UserError("--workdir is empty, which would put checkpoints, metrics and logs in the current directory; "
                     "pass a directory for this run, e.g. --workdir runs/tiny (created if missing)")
   workdir = pathlib.Path(path).expanduser()
-  for existing in [workdir, *workdir.parents]:
-    if existing.exists():
-      break
-  if not existing.is_dir():
-    where = "is a file" if existing == workdir else f"lies under {str(existing)!r}, which is a file"
-    raise UserError(f"--workdir {path!r} {where}, not a directory; pass a directory for this run (created if "
-                    "missing), e.g. runs/tiny")
+  existing = config_lib.check_directory("--workdir", str(workdir))
   if not os.access(existing, os.W_OK | os.X_OK):
     raise UserError(f"--workdir {path!r} cannot be written: {str(existing)!r} is not writable by this user; pass a "
                     "directory on a writable file system")
