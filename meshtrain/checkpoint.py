@@ -350,7 +350,7 @@ class _BackgroundOutput:
     self.step = None
     self._lock = threading.Lock()
     self._files = {}
-    self._router = self._filter = None
+    self._router = self._filter = self._asyncio_filter = None
 
   def log_path(self, step) -> pathlib.Path:
     return self.directory / f"save-step{step}-process{jax.process_index()}.log"
@@ -377,15 +377,22 @@ class _BackgroundOutput:
     sys.stderr = self._router
     self._filter = _ForeignRecords(self)
     logging.getLogger("absl").addFilter(self._filter)
+    # A failed write leaves Orbax's asyncio.gather futures holding exceptions nobody retrieves; asyncio logs that,
+    # with a traceback, when garbage collection reaches them, in whichever thread that happens, often the main one.
+    # meshtrain itself does not use asyncio, so every asyncio record is Orbax's and goes to the log.
+    self._asyncio_filter = _ForeignRecords(self, every_thread=True)
+    logging.getLogger("asyncio").addFilter(self._asyncio_filter)
 
   def uninstall(self) -> None:
     if self._router is None:
       return
+    gc.collect()  # the futures of a failed save are collected, and logged, while asyncio's records still go to the log
     logging.getLogger("absl").removeFilter(self._filter)
+    logging.getLogger("asyncio").removeFilter(self._asyncio_filter)
     if sys.stderr is self._router:
       sys.stderr = self._router.terminal
     self._router.close()
-    self._router = self._filter = None
+    self._router = self._filter = self._asyncio_filter = None
     with self._lock:
       for f in self._files.values():
         f.close()
@@ -423,15 +430,16 @@ class _StderrRouter:
 
 
 class _ForeignRecords(logging.Filter):
-  """On the `absl` logger: records from Orbax's threads are written to the log and go no further."""
+  """On the `absl` logger: records from Orbax's threads are written to the log and go no further; with
+  every_thread (the `asyncio` logger) records from all threads are."""
 
-  def __init__(self, sink: _BackgroundOutput):
+  def __init__(self, sink: _BackgroundOutput, every_thread: bool = False):
     super().__init__()
-    self._sink = sink
+    self._sink, self._every_thread = sink, every_thread
     self._format = logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(message)s")
 
   def filter(self, record) -> bool:
-    if not self._sink.foreign():
+    if not (self._every_thread or self._sink.foreign()):
       return True
     self._sink.write(self._format.format(record) + "\n")
     return False
