@@ -103,15 +103,7 @@ class Checkpointer:
   def _read_meta(self, step: int) -> tuple[dict, dict | None]:
     """(meta, integrity record or None for a checkpoint written before checksums)."""
     meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if not isinstance(meta, dict):
-      raise CheckpointDamaged(f"its meta item is not a JSON object but {type(meta).__name__}")
-    integrity = meta.pop(INTEGRITY_KEY, None)
-    if integrity is not None:
-      stored = integrity.get("meta_sha256") if isinstance(integrity, dict) else None
-      if stored != _digest(meta):
-        raise CheckpointDamaged(f"its meta item fails its checksum (meta/metadata: stored sha256 {str(stored)[:16]}..., "
-                                f"content {_digest(meta)[:16]}...)")
-    return meta, integrity
+    return _verified_meta(meta)
 
   def restore_state(self, step: int, abstract_state):
     """Restores onto the shardings carried by `abstract_state` (ShapeDtypeStructs): any mesh, any device count."""
@@ -228,6 +220,19 @@ class Checkpointer:
       self._manager.close()
     finally:
       self._output.uninstall()
+
+
+def _verified_meta(meta) -> tuple[dict, dict | None]:
+  """(meta without its integrity record, the record or None); CheckpointDamaged when its checksum fails."""
+  if not isinstance(meta, dict):
+    raise CheckpointDamaged(f"its meta item is not a JSON object but {type(meta).__name__}")
+  integrity = meta.pop(INTEGRITY_KEY, None)
+  if integrity is not None:
+    stored = integrity.get("meta_sha256") if isinstance(integrity, dict) else None
+    if stored != _digest(meta):
+      raise CheckpointDamaged(f"its meta item fails its checksum (meta/metadata: stored sha256 {str(stored)[:16]}..., "
+                              f"content {_digest(meta)[:16]}...)")
+  return meta, integrity
 
 
 def _digest(meta: dict) -> str:
@@ -486,3 +491,104 @@ def check_compatible(saved_config: dict, model_cfg, shape_fields: tuple[str, ...
   if diffs:
     raise UserError(f"the checkpoint at step {step} in {directory} was written by a different model shape:\n  "
                     + "\n  ".join(diffs) + "\nuse the same model settings to resume, or a new --workdir to start over")
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  """The complete checkpoint steps under WORKDIR/checkpoints (every marker and metadata file there), oldest first."""
+  directory = pathlib.Path(workdir).expanduser().absolute() / "checkpoints"
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and all((p / name).is_file() for name in REQUIRED))
+
+
+def load_params(workdir, step: int | None = None, mesh=None, shardings=None, rules=None):
+  """The parameters saved in `workdir` at `step` (default: the newest), and that checkpoint's meta item.
+
+  Only the `params` subtree of the `state` item is read (a partial restore: no optimizer state is touched), from a
+  trained run (a TrainState) or a converted one (`{"params": ...}`, meta `params_only`). With `mesh=None` the
+  leaves are numpy arrays on the host; with a mesh they are jax Arrays split by the model's logical rules (`rules`,
+  default the `fsdp_tp` preset: whatever fsdp and tensor axes the mesh has split the weights, other axes
+  replicate them), or by `shardings`, a tree of Shardings like the params. Any mesh or device count works:
+  Orbax is told the target of every array, so it never needs the topology that wrote them (a plain
+  `StandardCheckpointer().restore(.../state)` does, and fails on another one with "Topology mismatch").
+  Missing checkpoints or a step that is not there: UserError.
+  """
+  import numpy as np
+  workdir = pathlib.Path(workdir).expanduser().absolute()
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    what = "no such directory" if not workdir.is_dir() else "no complete checkpoint in its checkpoints/ directory"
+    raise UserError(f"cannot load parameters from {workdir}: {what}; pass the --workdir of a training run (or of "
+                    "python -m meshtrain.convert from-hf)")
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise UserError(f"{workdir} has no complete checkpoint at step {step}; it has steps {', '.join(map(str, steps))}")
+  step_dir = workdir / "checkpoints" / str(step)
+  try:
+    meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
+    meta, _ = _verified_meta(meta)
+  except CheckpointDamaged as e:
+    raise UserError(f"the checkpoint at step {step} ({step_dir}) is damaged: {e}") from e
+  if meta.get("layer_order", "sequential") != "sequential":
+    raise UserError(f"the checkpoint at step {step} in {workdir} stores its layers in {meta['layer_order']} order "
+                    "(a circular pipeline's); load it in a run with the same pipeline settings instead")
+  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+  with _quiet_absl():  # reading an item on its own, Orbax warns that the step's own metadata file is not its
+    stored = checkpointer.metadata(step_dir / "state").item_metadata.tree
+  if not isinstance(stored, dict) or "params" not in stored:
+    raise UserError(f"the checkpoint at step {step} in {workdir} holds no params (its state has "
+                    f"{sorted(stored) if isinstance(stored, dict) else type(stored).__name__})")
+  stored = stored["params"]
+  if mesh is None and shardings is None:
+    target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), stored)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
+  else:
+    if shardings is None:
+      shardings = _param_shardings(meta, mesh, rules, stored, workdir, step)
+    target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), stored, shardings)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+  log = workdir / "diagnostics" / f"load-params-step{step}-process{jax.process_index()}.log"
+  try:
+    with _stderr_to(log, keep_empty=False), _quiet_absl():
+      restored = checkpointer.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
+          {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+  except Exception as e:
+    raise UserError(f"the checkpoint at step {step} ({step_dir}) cannot be read: "
+                    f"{_restore_problem(e, step_dir)} (Orbax's own report: {log})") from e
+  finally:
+    checkpointer.close()
+  return restored["params"], meta
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def _param_shardings(meta: dict, mesh, rules, stored, workdir, step):
+  """NamedShardings of the checkpoint's params on `mesh`, from the model's logical axis names and the rules."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+  from meshtrain import sharding
+  from meshtrain.models.llama import ModelConfig, Transformer
+  model_cfg = ModelConfig.from_config(meta["config"]["model"])
+  boxed = jax.eval_shape(Transformer(model_cfg).init, jax.random.key(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))
+  boxed = boxed["params"]
+  expected = {jax.tree_util.keystr(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(
+      nn.meta.unbox(boxed))}
+  found = {jax.tree_util.keystr(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(stored)}
+  if expected != found:
+    diff = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+    raise UserError(f"the params at step {step} in {workdir} do not match the model in its own config: "
+                    + "; ".join(f"{k}: config {expected.get(k)}, stored {found.get(k)}" for k in diff[:4]))
+  rules = sharding.for_mesh(rules or sharding.rules_for("fsdp_tp"), mesh)
+  sharding.param_table(boxed, mesh, rules)  # a dimension the mesh cannot split evenly is named (UserError)
+  return sharding.shardings_of(boxed, mesh, rules)
