@@ -59,7 +59,7 @@ def main():
   cfg = config_lib.load(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py"), [])
   cfg.seq_len = 64
   cfg.mesh.data = 1
-  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1]), 256)
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1]))
   state = layout.init(0)
   leaves, tree = jax.tree.flatten(state.opt_state)
   keys = jax.random.split(jax.random.key(1), len(leaves))

@@ -43,7 +43,7 @@ CHECKSUM = {"before": None, "zarr3": None, "crc32c": "crc32c", "zstd": "zstd"}  
 
 def build_state():
   cfg = config_lib.load(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "base125m.py"), [])
-  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), 256)
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
   state = layout.init(0)
 
   def randomise(state, key):  # dense, high-entropy moments like those of a trained model

@@ -57,7 +57,7 @@ def make_config(mesh_sizes, rules, overrides, steps):
 def run(cfg, devices, init_params=None):
   import jax
   from meshtrain import data, layout as layout_lib, mesh as mesh_lib
-  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=devices), data.PAD_ID)
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=devices))
   src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   step_fn = layout.compile_train_step()
   state = layout.init(cfg.seed)
@@ -106,7 +106,7 @@ def main() -> int:
       references[moe] = run(ref_cfg, jax.devices()[:1])
       from meshtrain import data, layout as layout_lib
       references[moe]["params"] = layout_lib.build(
-          ref_cfg, mesh_lib.make_mesh(ref_cfg.mesh, devices=jax.devices()[:1]), data.PAD_ID).init(ref_cfg.seed).params
+          ref_cfg, mesh_lib.make_mesh(ref_cfg.mesh, devices=jax.devices()[:1])).init(ref_cfg.seed).params
     ref = references[moe]
     cfg = make_config(mesh_sizes, rules, overrides, args.steps)
     init = None

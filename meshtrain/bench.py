@@ -45,7 +45,7 @@ def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
   import jax
   from meshtrain import data, layout as layout_lib, mesh as mesh_lib
   mesh = mesh_lib.make_mesh(cfg.mesh)
-  layout = layout_lib.build(cfg, mesh, data.PAD_ID)
+  layout = layout_lib.build(cfg, mesh)
   src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   t0 = time.perf_counter()
   step_fn = layout.compile_train_step()

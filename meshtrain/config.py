@@ -27,8 +27,9 @@ SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_head
 # Fields that decide which tokens the batch at step k holds: a resumed run that changes one silently continues on
 # another data order, so resuming with a change needs allow_data_change. (data.data_dir is not among them: the
 # same dataset may move.)
-DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_key", "data.train_split",
-                     "data.tokenizer")
+# data.tokenizer is not among them either: the tokenizer a checkpoint was trained with is compared by its file's
+# fingerprint (checkpoint meta "tokenizer"), so a moved file resumes and another file is refused outright.
+DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_key", "data.train_split")
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
@@ -130,6 +131,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.name = "python_stdlib"  # python_stdlib (built locally) | synthetic | any TFDS dataset name
   c.data.data_dir = ""           # TFDS data directory; "" = TFDS default (~/tensorflow_datasets)
   c.data.text_key = "text"       # feature holding the text, for TFDS datasets
+  # byte (UTF-8 bytes + 3 specials) | PATH of a tokenizer.json, a SentencePiece .model or a directory holding one |
+  # bpe:N (a byte-level BPE of N ids trained on the train split on first use, cached under the data dir)
+  c.data.tokenizer = "byte"
   c.data.train_split = "train"
   c.data.eval_split = "validation"
   return c

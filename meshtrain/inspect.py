@@ -79,7 +79,7 @@ def inspect(cfg) -> Report:
   runtime.start(cfg)
   from meshtrain import data, estimate, hlo, layout as layout_lib, mesh as mesh_lib
   mesh = mesh_lib.make_mesh(cfg.mesh)
-  layout = layout_lib.build(cfg, mesh, data.PAD_ID)
+  layout = layout_lib.build(cfg, mesh)
   t0 = time.perf_counter()
   compiled = layout.compile_train_step()
   compile_s = time.perf_counter() - t0

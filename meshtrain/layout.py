@@ -35,7 +35,6 @@ class Layout:
   state_sharding: step_lib.TrainState   # a TrainState of NamedShardings
   batch_sharding: NamedSharding         # for [batch, length] token arrays
   state_abstract: step_lib.TrainState   # ShapeDtypeStructs carrying the shardings: Orbax restore targets
-  pad_id: int                           # target id masked out of the loss
   token_order: np.ndarray | None        # column permutation fed to the model (context-parallel load balance)
 
   @property
@@ -87,7 +86,7 @@ class Layout:
     """The train step lowered, for `platforms` (default: the mesh's devices'; ("cuda",) on a CPU machine gives
     the program a GPU would compile, with a layout built for platform="gpu")."""
     fn = functools.partial(step_lib.train_step, apply_fn=self.model.apply, tx=self.tx, schedule=self.schedule,
-                           pad_id=self.pad_id, accum_steps=self.cfg.optimizer.grad_accum_steps,
+                           accum_steps=self.cfg.optimizer.grad_accum_steps,
                            nan_at_step=self.cfg.faults.nan_at_step, token_order=self.token_order)
     replicated = NamedSharding(self.mesh, P())
     with self.context():
@@ -97,20 +96,35 @@ class Layout:
                              ).lower(lowering_platforms=platforms)
 
   def compile_eval_step(self):
-    """Eval on micro-batch-sized batches, so evaluation never needs more memory than training."""
-    fn = functools.partial(step_lib.eval_step, apply_fn=self.model.apply, pad_id=self.pad_id,
-                           token_order=self.token_order)
+    """Eval on micro-batch-sized batches, so evaluation never needs more memory than training.
+
+    Called as eval_fn(params, batch, self.token_bytes_table(tokenizer.token_bytes())).
+    """
+    fn = functools.partial(step_lib.eval_step, apply_fn=self.model.apply, token_order=self.token_order)
+    replicated = NamedSharding(self.mesh, P())
+    table = jax.ShapeDtypeStruct((self.cfg.model.vocab_size,), jnp.int32, sharding=replicated)
     with self.context():
-      return jax.jit(fn, in_shardings=(self.state_sharding.params, self.batch_sharding),
-                     out_shardings=NamedSharding(self.mesh, P()),
-                     ).lower(self.state_abstract.params, self.batch_abstract(self.micro_batch)).compile()
+      return jax.jit(fn, in_shardings=(self.state_sharding.params, self.batch_sharding, replicated),
+                     out_shardings=replicated,
+                     ).lower(self.state_abstract.params, self.batch_abstract(self.micro_batch), table).compile()
+
+  def token_bytes_table(self, token_bytes) -> jax.Array:
+    """The eval step's bytes-per-id table: a tokenizer's `token_bytes()` zero-padded to model.vocab_size (ids the
+    tokenizer never emits stand for no text), replicated on the mesh."""
+    token_bytes = np.asarray(token_bytes, np.int32)
+    vocab = self.cfg.model.vocab_size
+    if len(token_bytes) > vocab:
+      raise UserError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary of {len(token_bytes)} "
+                      f"ids; set --config.model.vocab_size={len(token_bytes)} or more")
+    table = np.zeros(vocab, np.int32)
+    table[:len(token_bytes)] = token_bytes
+    return jax.device_put(table, NamedSharding(self.mesh, P()))
 
   def compile_grad(self):
     """Mean-loss gradients for a params tree and a batch (used to prove layouts agree)."""
     def grads(params, batch):
       def mean_loss(p):
-        total, (_, count, _) = step_lib.loss_sums(p, batch, apply_fn=self.model.apply, pad_id=self.pad_id,
-                                                  token_order=self.token_order)
+        total, (_, count, _) = step_lib.loss_sums(p, batch, apply_fn=self.model.apply, token_order=self.token_order)
         return total / count
       return jax.value_and_grad(mean_loss)(params)
     with self.context():
@@ -119,8 +133,11 @@ class Layout:
                      ).lower(self.state_abstract.params, self.batch_abstract(self.cfg.batch_size)).compile()
 
 
-def build(cfg, mesh: Mesh, pad_id: int, platform: str | None = None) -> Layout:
+def build(cfg, mesh: Mesh, *, platform: str | None = None) -> Layout:
   """Checks the layout from shapes alone, then derives every sharding of the train state.
+
+  Nothing here depends on the tokenizer: the loss skips targets < 0 (`step.IGNORE_ID`), and the eval step takes
+  the bytes-per-id table as an argument (`Layout.token_bytes_table`).
 
   `platform` is the one the steps are for (default: the mesh's devices'); "gpu" lets a CPU machine lower the
   steps a GPU would run (`lower(lowering_platforms=("cuda",))`), cuDNN attention included.
@@ -179,7 +196,7 @@ def build(cfg, mesh: Mesh, pad_id: int, platform: str | None = None) -> Layout:
   abstract = step_lib.TrainState.create(params_abstract, opt_abstract)  # shapes only: the model is traced once
   state_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
   return Layout(cfg, mesh, rules, model, tx, optim.learning_rate_schedule(cfg.optimizer, cfg.steps), table,
-                state_sh, sharding.batch_sharding(mesh, rules), state_abstract, pad_id, token_order)
+                state_sh, sharding.batch_sharding(mesh, rules), state_abstract, token_order)
 
 
 def device_memory(mesh: Mesh) -> tuple[int, str]:

@@ -13,6 +13,11 @@ import optax
 
 from meshtrain.models import moe
 
+# A target id below zero is not a token: the loss and evaluation skip it. The data pipeline gives padding this
+# target, and a fine-tuning source gives it to the prompt tokens whose prediction is not trained. The inputs at
+# such positions are real ids (the tokenizer's pad id), since the model embeds every input.
+IGNORE_ID = -1
+
 
 class TrainState(flax.struct.PyTreeNode):
   step: jax.Array  # int32 scalar: steps taken so far (the data position), skipped updates included
@@ -27,8 +32,8 @@ class TrainState(flax.struct.PyTreeNode):
     return cls(step=zero, params=params, opt_state=opt_state, nonfinite_steps=zero, last_nonfinite_step=zero)
 
 
-def loss_sums(params, batch, *, apply_fn: Callable, pad_id: int, token_order=None):
-  """Summed next-token cross-entropy over non-pad targets, the number of those targets, and MoE values.
+def loss_sums(params, batch, *, apply_fn: Callable, token_order=None):
+  """Summed next-token cross-entropy over the targets >= 0, the number of those targets, and MoE values.
 
   Returns (objective, (loss_sum, count, moe)): the objective adds the MoE auxiliary loss (a mean, so weighted by
   the token count) to the cross-entropy sum; `moe` holds the router statistics ({} for a dense model).
@@ -42,8 +47,11 @@ def loss_sums(params, batch, *, apply_fn: Callable, pad_id: int, token_order=Non
   else:
     logits_BLV, state = apply_fn({"params": params}, inputs_BL, mutable=["moe"])
   logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-  target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
-  weight_BL = (targets_BL != pad_id).astype(jnp.float32)
+  valid_BL = targets_BL >= 0
+  # Ignored targets read id 0's logit (an in-range index) and are then weighted by zero.
+  safe_targets_BL = jnp.where(valid_BL, targets_BL, 0)
+  target_logit_BL = jnp.take_along_axis(logits_BLV, safe_targets_BL[..., None], axis=-1)[..., 0]
+  weight_BL = valid_BL.astype(jnp.float32)
   loss_sum, count = jnp.sum((logz_BL - target_logit_BL) * weight_BL), jnp.sum(weight_BL)
   moe_values = moe.collect(state["moe"]) if state.get("moe") else {}
   objective = loss_sum + moe_values.get("aux_loss", 0.0) * count
@@ -51,7 +59,7 @@ def loss_sums(params, batch, *, apply_fn: Callable, pad_id: int, token_order=Non
 
 
 def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransformation, schedule: optax.Schedule,
-               pad_id: int, accum_steps: int = 1, nan_at_step: int = -1, token_order=None):
+               accum_steps: int = 1, nan_at_step: int = -1, token_order=None):
   """One optimizer update on a global batch; returns the new state and scalar metrics (left on device).
 
   A step whose loss or gradients are not finite leaves parameters and optimizer state unchanged (so a NaN state
@@ -59,7 +67,7 @@ def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransfor
   `nan_at_step` poisons that step's gradients: fault injection for testing exactly this path.
   """
   grad_fn = jax.value_and_grad(
-      lambda p, b: loss_sums(p, b, apply_fn=apply_fn, pad_id=pad_id, token_order=token_order), has_aux=True)
+      lambda p, b: loss_sums(p, b, apply_fn=apply_fn, token_order=token_order), has_aux=True)
   if accum_steps == 1:
     (_, (loss_sum, count, moe_values)), grads = grad_fn(state.params, batch)
   else:
@@ -98,7 +106,16 @@ def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransfor
   return state, metrics
 
 
-def eval_step(params, batch, *, apply_fn, pad_id: int, token_order=None):
-  """Sums for validation: cross-entropy (nats), target tokens, and byte targets (ids < 256) for bits per byte."""
-  _, (loss_sum, count, _) = loss_sums(params, batch, apply_fn=apply_fn, pad_id=pad_id, token_order=token_order)
-  return {"loss_sum": loss_sum, "tokens": count, "bytes": jnp.sum((batch["targets"] < 256).astype(jnp.float32))}
+def eval_step(params, batch, token_bytes_V, *, apply_fn, token_order=None):
+  """Sums for validation: cross-entropy (nats), target tokens, and the UTF-8 bytes those targets stand for.
+
+  `token_bytes_V` (int32[model vocab]) holds the bytes of each id's text (0 for specials), from
+  `Tokenizer.token_bytes()`: loss_sum / bytes / ln 2 is bits per byte, which compares across tokenizers where
+  the loss per token does not.
+  """
+  _, (loss_sum, count, _) = loss_sums(params, batch, apply_fn=apply_fn, token_order=token_order)
+  targets_BL = batch["targets"]
+  valid_BL = targets_BL >= 0
+  bytes_BL = jnp.where(valid_BL, token_bytes_V[jnp.where(valid_BL, targets_BL, 0)], 0)
+  # float32 sums are exact up to 2^24 bytes per eval step; that is 16 MB of text in one micro-batch.
+  return {"loss_sum": loss_sum, "tokens": count, "bytes": jnp.sum(bytes_BL.astype(jnp.float32))}

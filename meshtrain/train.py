@@ -97,10 +97,11 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
 
   # --- Data, layout and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
   # The data first: a split too short for seq_len is named as such, before any model-sized buffer exists.
+  tok = data.tokenizer.for_config(cfg)
   train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
   mesh = mesh_lib.make_mesh(cfg.mesh)
-  layout = layout_lib.build(cfg, mesh, data.PAD_ID)
+  layout = layout_lib.build(cfg, mesh)
   log(f"mesh: {mesh_lib.describe(mesh)}; sharding rules: {cfg.sharding.rules}")
   log(sharding.format_table(layout.table))
   # Before restoring or initialising anything: a state that cannot fit is refused in seconds, not after an OOM.
@@ -156,11 +157,14 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     else:
       log(f"resumed from {ckpt.directory / str(start)}")
 
+  # Bytes each id stands for: bits per byte = loss / bytes / ln 2 compares runs with different tokenizers.
+  token_bytes = layout.token_bytes_table(tok.token_bytes()) if eval_src is not None else None
+
   def evaluate(params, at_step):
     sums = None
     for i in range(cfg.eval_batches):
       watchdog.beat(at_step, f"evaluation batch {i}")
-      out = eval_fn(params, data.global_batch(eval_src, i, layout.micro_batch, layout.batch_sharding))
+      out = eval_fn(params, data.global_batch(eval_src, i, layout.micro_batch, layout.batch_sharding), token_bytes)
       sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
     sums = jax.device_get(sums)
     record = {"step": at_step, "eval_loss": float(sums["loss_sum"] / sums["tokens"])}

@@ -12,7 +12,7 @@ def one_device_layout(**config_overrides):
   for key, value in config_overrides.items():
     cfg[key] = value
   cfg.mesh.data = 1
-  return layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1]), 256)
+  return layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1]))
 
 
 def restore_params(workdir, step, **config_overrides):

@@ -22,8 +22,7 @@ def main(argv: list[str]) -> int:
   cfg = config_lib.load(argv[0], argv[1:])
   import jax
   from meshtrain import layout as layout_lib, mesh as mesh_lib
-  from meshtrain.data import PAD_ID
-  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1]), PAD_ID, platform="gpu")
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1]), platform="gpu")
   text = layout.lower_train_step(platforms=("cuda",)).as_text()
   L = cfg.seq_len
   scores = re.findall(rf"tensor<(?:\d+x)*{L}x{L}x\w+>", text)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from meshtrain import config as config_lib, layout as layout_lib, mesh as mesh_lib
-from meshtrain.data import PAD_ID
 from meshtrain.models import attention
 from meshtrain.models.llama import rotary
 
@@ -74,7 +73,7 @@ def test_unrolled_stack_matches_the_loop():
   def run(unroll):
     cfg = config_lib.load("configs/tiny.py", ["--config.mesh.data=1", "--config.cpu_devices=1",
                                               f"--config.model.scan_unroll={unroll}"])
-    layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1]), PAD_ID)
+    layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1]))
     state, step = layout.init(cfg.seed), layout.compile_train_step()
     tokens = np.random.default_rng(0).integers(3, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len + 1))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}

@@ -20,7 +20,7 @@ def test_flops_per_token_match_hand_count(kv_heads, tied):
   cfg = config.base_config()
   cfg.mesh.data = 1
   cfg.model.num_kv_heads, cfg.model.tie_embeddings = kv_heads, tied
-  table = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1]), 256).table
+  table = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1])).table
   m = cfg.model
   got = perf.model_flops_per_token(m, cfg.seq_len, perf.matmul_params(table, tied))
   assert got == hand_flops(cfg.seq_len, m.d_model, m.num_heads, kv_heads, m.head_dim, m.mlp_dim, m.vocab_size,
@@ -33,7 +33,7 @@ def test_flops_per_token_moe_counts_routed_experts_only():
   cfg = config.base_config()
   cfg.mesh.data = 1
   cfg.model.num_experts, cfg.model.experts_per_token = 4, 2
-  table = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1]), 256).table
+  table = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1])).table
   m = cfg.model
   L, D, H, K, E, F, V, X, k = cfg.seq_len, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, 4, 2
   per_layer = D * H * E + 2 * D * K * E + H * E * D + D * X + k * 3 * D * F  # attention, router, k of X experts

@@ -16,6 +16,7 @@ from meshtrain.config import base_config
 from meshtrain.data import (BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Prefetcher, decode, encode, global_batch,
                             make_source, pipeline, process_rows, stdlib_corpus)
 from meshtrain.errors import UserError
+from meshtrain.step import IGNORE_ID
 
 
 def make_cfg(data_dir, **kw):
@@ -99,10 +100,13 @@ def test_packed_rows_reproduce_the_document_stream(stdlib_dir, seq_len, monkeypa
   assert n == -(-(len(stream) - 1) // seq_len)
   batch = src.rows(0, n, 0, n)
   assert batch["inputs"].dtype == np.int32 and batch["inputs"].shape == (n, seq_len)
-  padded = np.concatenate([stream, np.full(seq_len + 1, PAD_ID)])
-  assert (batch["inputs"].reshape(-1) == padded[:n * seq_len]).all()
-  assert (batch["targets"].reshape(-1) == padded[1:n * seq_len + 1]).all()
-  assert (batch["inputs"][:, 1:] == batch["targets"][:, :-1]).all()
+  # Past the data, inputs are the pad id and targets IGNORE_ID (the loss skips them); every sequence has a target.
+  inputs = np.concatenate([stream, np.full(seq_len + 1, PAD_ID)])
+  targets = np.concatenate([stream, np.full(seq_len + 1, IGNORE_ID)])
+  assert (batch["inputs"].reshape(-1) == inputs[:n * seq_len]).all()
+  assert (batch["targets"].reshape(-1) == targets[1:n * seq_len + 1]).all()
+  assert (batch["targets"][-1] >= 0).any() and (seq_len == 7 or (batch["targets"][-1] == IGNORE_ID).any())
+  assert (batch["inputs"][:, 1:] == np.where(batch["targets"][:, :-1] < 0, PAD_ID, batch["targets"][:, :-1])).all()
   # Evaluation order cycles: the next "step" starts over.
   again = src.rows(1, n, 0, 3)
   assert (again["inputs"] == batch["inputs"][:3]).all()

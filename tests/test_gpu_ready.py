@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from meshtrain import config, layout as layout_lib, mesh as mesh_lib, plan, runtime
-from meshtrain.data import PAD_ID
 from meshtrain.models import attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,7 +42,7 @@ def test_bf16_step_returns_the_state_it_was_compiled_for(remat, accum):
   # gradient count once made Adam's moments float32: the second step then refused its own output.
   cfg = bench_config("llama8b", **{**gpu_bench.TINY, "cpu_devices": "8", "mesh.fsdp": "8", "seq_len": "64",
                                    "batch_size": "16", "model.remat": remat, "optimizer.grad_accum_steps": str(accum)})
-  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), PAD_ID)
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
   step = layout.compile_train_step()
   state = layout.init(0)
   tokens = np.random.default_rng(0).integers(0, 256, (cfg.batch_size, cfg.seq_len + 1), dtype=np.int32)
@@ -88,12 +87,12 @@ def test_layout_and_plan_choose_attention_alike(name):
   # needs the CUDA plugin's version module, which only their subprocess has).
   cfg = bench_config(name)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1])
-  assert layout_lib.build(cfg, mesh, PAD_ID).model.cfg.attention == "blocked"  # this machine's CPU
+  assert layout_lib.build(cfg, mesh).model.cfg.attention == "blocked"  # this machine's CPU
   assert plan.target_attention(cfg, "h200") == plan.target_attention(cfg, "a100") == "cudnn"
   assert plan.target_attention(cfg, "cpu") == "blocked"
   cfg.model.dtype = "float32"
   assert plan.target_attention(cfg, "h100") == "xla"
-  assert layout_lib.build(cfg, mesh, PAD_ID, platform="gpu").model.cfg.attention == "xla"
+  assert layout_lib.build(cfg, mesh, platform="gpu").model.cfg.attention == "xla"
 
 
 def lower_for_cuda(config_path: str, *overrides: str) -> dict:

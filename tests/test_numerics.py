@@ -11,8 +11,9 @@ import xla_fast
 
 from meshtrain import config, layout as layout_lib, mesh as mesh_lib
 from meshtrain.parallel import pipeline
+from meshtrain.step import IGNORE_ID
 
-PAD_ID = 256
+PAD_ID = 256  # the byte tokenizer's
 STEPS = 3
 LAYOUTS = {  # name: (mesh sizes, sharding rules)
     "data=8": ({"data": 8}, "dp"),
@@ -50,12 +51,13 @@ def batches(cfg):
   for _ in range(STEPS):
     tokens = rng.integers(0, 259, size=(cfg.batch_size, cfg.seq_len + 1), dtype=np.int32)
     tokens[:, -5:] = PAD_ID  # padded tails must be masked identically everywhere
-    yield {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    # As the pipeline pads: the input is the pad id, the target IGNORE_ID (skipped by the loss).
+    yield {"inputs": tokens[:, :-1], "targets": np.where(tokens[:, 1:] == PAD_ID, IGNORE_ID, tokens[:, 1:])}
 
 
 def train(cfg, devices, init_params=None):
   """Losses of STEPS updates, the gradients at the first, and the final parameters."""
-  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=devices), PAD_ID)
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=devices))
   state = layout.init(cfg.seed)
   if init_params is not None:  # Adam's initial state does not depend on the parameter values
     state = state.replace(params=jax.device_put(init_params, layout.state_sharding.params))
@@ -141,10 +143,10 @@ def test_pipeline_matches_one_device(name, reference_4_layers):
   ref_losses, ref_grads, _ = reference_4_layers
   mesh_sizes, rules, extra = PIPELINES[name]
   cfg = tiny_config(mesh_sizes, rules, {"model.num_layers": 4, "pipeline.microbatches": 4, **extra})
-  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), PAD_ID)
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
   if layout.layer_order != "sequential":  # circular: the same weights, stored stage-major
     ref_grads = {**ref_grads, "layers": pipeline.to_pipeline_params(ref_grads["layers"], 2, 2)}
-    init = layout_lib.build(tiny_config({}, "dp", {"model.num_layers": 4}), mesh_lib.make_mesh({}, devices=jax.devices()[:1]), PAD_ID).init(0).params
+    init = layout_lib.build(tiny_config({}, "dp", {"model.num_layers": 4}), mesh_lib.make_mesh({}, devices=jax.devices()[:1])).init(0).params
     init = {**init, "layers": pipeline.to_pipeline_params(init["layers"], 2, 2)}
   else:
     init = None
@@ -165,7 +167,7 @@ def test_remat_and_unrolled_layers_match(scan, remat, reference):
   ref_losses, ref_grads, _ = reference
   cfg = tiny_config({"fsdp": 8}, "fsdp")
   cfg.model.scan_layers, cfg.model.remat = scan, remat
-  ref_init = layout_lib.build(tiny_config({}, "dp"), mesh_lib.make_mesh({}, devices=jax.devices()[:1]), PAD_ID).init(0)
+  ref_init = layout_lib.build(tiny_config({}, "dp"), mesh_lib.make_mesh({}, devices=jax.devices()[:1])).init(0)
   unstack = lambda tree: tree if scan else {**{k: v for k, v in tree.items() if k != "layers"},
                           **{f"layer_{i}": jax.tree.map(lambda x: x[i], tree["layers"]) for i in range(cfg.model.num_layers)}}
   losses, grads, _ = train(cfg, jax.devices(), init_params=unstack(jax.device_get(ref_init.params)))
@@ -188,7 +190,7 @@ def test_sequence_parallel_splits_the_residual_stream():
   partial sums reduced back into sequence shards); without it the stream stays whole and no such gather exists."""
   def activation_gathers(sequence_parallel):
     cfg = tiny_config({"data": 2, "tensor": 4}, "tp", {"sharding.sequence_parallel": sequence_parallel})
-    text = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), PAD_ID).compile_train_step().as_text()
+    text = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh)).compile_train_step().as_text()
     return len(re.findall(r"= f32\[8,64,128\]\{[0-9,]+\} all-gather(-start)?\(", text))
   assert activation_gathers(False) == 0
   assert activation_gathers(True) >= 4  # at least attention and MLP inputs of both layers, forward
@@ -217,7 +219,7 @@ def test_weight_gradients_read_activations_without_a_transposed_copy():
   the [b, l, F] gradient into [F, b, l] order with the SwiGLU backward fused in: two such transposes per layer,
   ~40% of a one-device step. Weight transposes ([D, F]) are fine: D differs from the sequence length here."""
   cfg = tiny_config({"data": 8}, "dp")
-  text = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), PAD_ID).compile_train_step().as_text()
+  text = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh)).compile_train_step().as_text()
   shapes = [[int(d) for d in dims.split(",")] for dims in re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]+\} transpose\(", text)]
   mlp = [s for s in shapes if cfg.model.mlp_dim in s]  # weights [D, F] = [128, 512]; before: also [512, 2, 64]
   assert mlp and [s for s in mlp if cfg.seq_len in s] == []

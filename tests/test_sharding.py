@@ -39,7 +39,7 @@ def build(preset):
   cfg = config.base_config()
   cfg.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, **GOLDEN[preset][0]})
   cfg.sharding.rules = preset
-  return layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), 256)
+  return layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
 
 
 @pytest.mark.parametrize("preset", GOLDEN)

@@ -28,6 +28,7 @@ import numpy as np
 
 from meshtrain.data import tokenizer
 from meshtrain.errors import UserError
+from meshtrain.step import IGNORE_ID
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +54,24 @@ class Source:
 
   seq_len: int
   num_sequences: int | None  # None: infinite (synthetic)
+  pad_id: int = tokenizer.PAD_ID  # the input id at padded positions (their targets are IGNORE_ID)
 
   def sequence_index(self, example_index: int) -> int:
     """The sequence that global example `example_index` reads (the epoch permutation, or plain order)."""
     raise NotImplementedError
 
   def sequence(self, seq_index: int) -> np.ndarray:
-    """int32[seq_len + 1]: the tokens whose [:-1] are the inputs and [1:] the targets."""
+    """int32[seq_len + 1]: the tokens whose [:-1] are the inputs and [1:] the targets; IGNORE_ID past the data."""
     raise NotImplementedError
 
   def example(self, example_index: int) -> np.ndarray:
     return self.sequence(self.sequence_index(example_index))
 
   def rows(self, step: int, batch_size: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
-    """Rows [start, stop) of the global batch at `step`: {"inputs", "targets"}, each int32[stop - start, L]."""
+    """Rows [start, stop) of the global batch at `step`: {"inputs", "targets"}, each int32[stop - start, L].
+
+    Padded positions have target IGNORE_ID (the loss skips them) and input `pad_id` (the model embeds it).
+    """
     stop = batch_size if stop is None else stop
     if step < 0 or not 0 <= start <= stop <= batch_size:
       raise ValueError(f"bad rows request: step={step}, rows [{start}, {stop}) of a batch of {batch_size}")
@@ -75,7 +80,9 @@ class Source:
     for row in range(start, stop):
       seqs[row - start] = self.example(first + row)
     # Contiguous copies: the host-to-device transfer of a strided view would copy it anyway, less visibly.
-    return {"inputs": np.ascontiguousarray(seqs[:, :-1]), "targets": np.ascontiguousarray(seqs[:, 1:])}
+    inputs = np.ascontiguousarray(seqs[:, :-1])
+    inputs[inputs < 0] = self.pad_id
+    return {"inputs": inputs, "targets": np.ascontiguousarray(seqs[:, 1:])}
 
 
 class SyntheticSource(Source):
@@ -233,7 +240,7 @@ class TfdsSource(Source):
     length = self.seq_len + 1
     begin = seq_index * self.seq_len
     end = min(begin + length, self.num_tokens)
-    out = np.full(length, tokenizer.PAD_ID, np.int32)
+    out = np.full(length, IGNORE_ID, np.int32)
     doc = int(np.searchsorted(self.offsets, begin, side="right")) - 1
     pos = begin
     while pos < end:

@@ -1,14 +1,51 @@
-"""Byte-level tokenizer: ids 0..255 are the UTF-8 bytes, three specials above them.
+"""Tokenizers: bytes (the default), a Hugging Face `tokenizer.json`, or a SentencePiece `.model`.
 
-Bytes need no vocabulary file and nothing to download, and every string round-trips exactly.
+  tok = load("byte" | "path/to/tokenizer.json" | "path/to/x.model" | "dir/holding/one")
+  tok.encode(text) -> int32 ids (no specials added), tok.decode(ids) -> text (specials skipped)
+  tok.token_bytes() -> int32[vocab_size]: UTF-8 bytes of each id's text (0 for specials), for bits per byte
+
+The byte tokenizer needs no file and nothing to download, and every string round-trips exactly: ids 0..255 are
+the UTF-8 bytes, three specials above them (the module-level constants and functions below are it).
+
+A run keeps its tokenizer in WORKDIR/tokenizer/ (`save_to_workdir`, `from_workdir`) under the usual file names
+(`tokenizer.json` with `tokenizer_config.json` and `special_tokens_map.json`, or `tokenizer.model`), so
+generation, export and resume need no flag; nothing there means bytes. `fingerprint` (sha256 of the file) names
+a tokenizer in checkpoint metadata: a copy or a move of the file is the same tokenizer, another file is not.
+
+`tokenizers` and `sentencepiece` are imported only when such a file is loaded.
 """
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import time
+
 import numpy as np
 
-PAD_ID = 256     # fills the tail of the last sequence; the loss ignores targets equal to it
+from meshtrain.errors import UserError
+
+PAD_ID = 256     # input id at padded positions (their targets are step.IGNORE_ID)
 EOS_ID = 257     # ends every document in the packed stream
 BOS_ID = 258     # reserved for callers that want an explicit start token (packing does not add it)
 VOCAB_SIZE = 259  # the smallest model.vocab_size that holds every id above
 NUM_SPECIAL = VOCAB_SIZE - 256
+
+BYTE = "byte"
+WORKDIR_SUBDIR = "tokenizer"
+HF_FILE = "tokenizer.json"
+SP_FILE = "tokenizer.model"
+# The specials a trained BPE gets (ids 0, 1, 2), named as GPT-2/Llama-3 name theirs so other tools recognise them.
+BPE_SPECIALS = ("<|pad|>", "<|endoftext|>", "<|begin_of_text|>")
+# Names under which Hugging Face tokenizers commonly carry their specials, tried when no tokenizer_config.json
+# says which is which (a bare tokenizer.json does not).
+_PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]", "<|im_end|>")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]", "<|startoftext|>")
 
 
 def encode(text: str | bytes) -> np.ndarray:
@@ -31,3 +68,406 @@ def decode(ids) -> str:
   ids = np.asarray(ids).reshape(-1)
   ids = ids[(ids >= 0) & (ids < 256)]
   return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _sha256(path: pathlib.Path) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+class Tokenizer:
+  """The interface every kind implements; see the module docstring."""
+
+  kind: str
+  vocab_size: int
+  pad_id: int
+  eos_id: int
+  bos_id: int | None
+  fingerprint: str
+  path: pathlib.Path | None  # the file it was loaded from (None for bytes)
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    raise NotImplementedError
+
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    """encode() of each text; the library kinds encode a batch on several threads."""
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids) -> str:
+    raise NotImplementedError
+
+  def token_bytes(self) -> np.ndarray:
+    raise NotImplementedError
+
+  @property
+  def token_dtype(self):
+    """The smallest unsigned dtype holding every id: token caches on disk use it."""
+    return np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+
+  def describe(self) -> dict:
+    """What checkpoint metadata records: enough to refuse another tokenizer on resume."""
+    return {"kind": self.kind, "fingerprint": self.fingerprint, "vocab_size": self.vocab_size}
+
+  def __repr__(self):
+    where = f", {self.path}" if self.path else ""
+    return f"<{type(self).__name__} {self.kind}{where}: {self.vocab_size} ids>"
+
+
+class ByteTokenizer(Tokenizer):
+  kind, vocab_size, pad_id, eos_id, bos_id, fingerprint, path = BYTE, VOCAB_SIZE, PAD_ID, EOS_ID, BOS_ID, BYTE, None
+
+  def encode(self, text):
+    return encode(text).astype(np.int32)
+
+  def decode(self, ids):
+    return decode(ids)
+
+  def token_bytes(self):
+    table = np.zeros(VOCAB_SIZE, np.int32)
+    table[:256] = 1
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoding() -> dict[str, int]:
+  """GPT-2's byte-level BPE alphabet: the printable character that stands for each byte, inverted."""
+  printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[b] = chr(b)
+    else:
+      chars[b] = chr(256 + extra)
+      extra += 1
+  return {c: b for b, c in chars.items()}
+
+
+def _uses(component, kind: str) -> bool:
+  """Whether a tokenizer.json component (a dict, or a Sequence of them) is or contains `kind`."""
+  if not isinstance(component, dict):
+    return False
+  if component.get("type") == kind:
+    return True
+  return any(_uses(c, kind) for key in ("decoders", "pretokenizers", "normalizers") for c in component.get(key) or [])
+
+
+class HfTokenizer(Tokenizer):
+  """A Hugging Face `tokenizers` tokenizer.json (GPT-2/Llama-3 style byte-level BPE, or SentencePiece-converted)."""
+
+  kind = "hf"
+
+  def __init__(self, path: pathlib.Path):
+    import tokenizers  # pylint: disable=g-import-not-at-top
+
+    self.path = path
+    try:
+      self._spec = json.loads(path.read_text(encoding="utf-8"))
+      self._tok = tokenizers.Tokenizer.from_str(json.dumps(self._spec))
+    except (OSError, ValueError, Exception) as e:  # tokenizers raises a bare Exception on a malformed file
+      raise UserError(f"data.tokenizer={str(path)!r} is not a readable Hugging Face tokenizer.json "
+                      f"({' '.join(str(e).split())[:160]}); pass a tokenizer.json, a SentencePiece .model, "
+                      "a directory holding one, or byte") from e
+    # Text is data: a document containing "<|endoftext|>" must not turn into the special id.
+    self._tok.encode_special_tokens = True
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    self.vocab_size = max(vocab.values()) + 1
+    self._id_to_token = {i: t for t, i in vocab.items()}
+    self._specials = {a["content"]: a["id"] for a in self._spec.get("added_tokens", []) if a.get("special")}
+    named = self._configured_specials(path.parent)
+    self.eos_id = self._special(named.get("eos_token"), _EOS_NAMES)
+    if self.eos_id is None:
+      raise UserError(f"tokenizer {path} has no end-of-text token (none of {', '.join(_EOS_NAMES)}, and no "
+                      "eos_token in a tokenizer_config.json beside it); packing separates documents with one: add "
+                      "eos_token to its tokenizer_config.json")
+    self.bos_id = self._special(named.get("bos_token"), _BOS_NAMES)
+    pad = self._special(named.get("pad_token"), _PAD_NAMES)
+    # Padded inputs are never trained on (their targets are ignored), so any real id serves; EOS is the usual one.
+    self.pad_id = self.eos_id if pad is None else pad
+    self.fingerprint = _sha256(path)
+
+  def _configured_specials(self, directory: pathlib.Path) -> dict[str, str]:
+    """pad/eos/bos token strings from tokenizer_config.json / special_tokens_map.json beside the file."""
+    named = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+      try:
+        config = json.loads((directory / name).read_text(encoding="utf-8"))
+      except (OSError, ValueError):
+        continue
+      for key in ("pad_token", "eos_token", "bos_token"):
+        value = config.get(key)
+        if isinstance(value, dict):  # {"content": ..., "lstrip": ...} form
+          value = value.get("content")
+        if isinstance(value, str):
+          named.setdefault(key, value)
+    return named
+
+  def _special(self, configured: str | None, candidates) -> int | None:
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    for name in ([configured] if configured else []) + list(candidates):
+      if name in vocab:
+        return vocab[name]
+    return None
+
+  def encode(self, text):
+    if isinstance(text, bytes):
+      text = text.decode("utf-8", errors="replace")
+    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def encode_batch(self, texts):
+    texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t for t in texts]
+    return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+  def decode(self, ids):
+    ids = [int(i) for i in np.asarray(ids).reshape(-1) if 0 <= i < self.vocab_size]
+    return self._tok.decode(ids, skip_special_tokens=True)
+
+  def token_bytes(self):
+    table = np.zeros(self.vocab_size, np.int32)
+    byte_level = _uses(self._spec.get("decoder"), "ByteLevel") or _uses(self._spec.get("pre_tokenizer"), "ByteLevel")
+    byte_fallback = bool((self._spec.get("model") or {}).get("byte_fallback"))
+    decoding = _byte_level_decoding()
+    specials = set(self._specials.values())
+    for i, token in self._id_to_token.items():
+      if i in specials:
+        continue
+      if byte_level:
+        # Each alphabet character is one byte; anything else (an added normal token) is its own UTF-8 text.
+        table[i] = sum(1 if c in decoding else len(c.encode("utf-8")) for c in token)
+      elif byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+        table[i] = 1
+      else:
+        # SentencePiece-style pieces mark a space with U+2581; WordPiece marks a continuation with ##.
+        table[i] = len(token.removeprefix("##").replace("\u2581", " ").encode("utf-8"))
+    return table
+
+
+class SentencePieceTokenizer(Tokenizer):
+  kind = "sentencepiece"
+
+  def __init__(self, path: pathlib.Path):
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+
+    self.path = path
+    try:
+      self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as e:
+      raise UserError(f"data.tokenizer={str(path)!r} is not a readable SentencePiece model "
+                      f"({' '.join(str(e).split())[:160]}); pass a SentencePiece .model, a tokenizer.json, a "
+                      "directory holding one, or byte") from e
+    self.vocab_size = self._sp.get_piece_size()
+    self.eos_id = self._sp.eos_id()
+    if self.eos_id < 0:
+      raise UserError(f"SentencePiece model {path} has no end-of-sentence piece (eos_id=-1); packing separates "
+                      "documents with one: train it with eos_id set")
+    self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+    self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
+    self.fingerprint = _sha256(path)
+
+  def encode(self, text):
+    if isinstance(text, bytes):
+      text = text.decode("utf-8", errors="replace")
+    return np.asarray(self._sp.encode(text, out_type=int), np.int32)
+
+  def encode_batch(self, texts):
+    texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t for t in texts]
+    return [np.asarray(ids, np.int32) for ids in self._sp.encode(texts, out_type=int, num_threads=os.cpu_count())]
+
+  def decode(self, ids):
+    ids = [int(i) for i in np.asarray(ids).reshape(-1) if 0 <= i < self.vocab_size]
+    return self._sp.decode(ids)
+
+  def token_bytes(self):
+    table = np.zeros(self.vocab_size, np.int32)
+    for i in range(self.vocab_size):
+      if self._sp.is_control(i) or self._sp.is_unknown(i) or self._sp.is_unused(i):
+        continue
+      if self._sp.is_byte(i):
+        table[i] = 1
+      else:
+        table[i] = len(self._sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+    return table
+
+
+# --- loading ------------------------------------------------------------------------------------------------
+
+
+def _load_file(path: pathlib.Path) -> Tokenizer:
+  if path.suffix == ".json":
+    return HfTokenizer(path)
+  with open(path, "rb") as f:
+    head = f.read(1)
+  # A tokenizer.json starts with "{"; a SentencePiece model is a protobuf, whatever its name.
+  return HfTokenizer(path) if head == b"{" else SentencePieceTokenizer(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(resolved: str, mtime_ns: int) -> Tokenizer:
+  del mtime_ns  # part of the cache key only: a rewritten file is loaded again
+  return _load_file(pathlib.Path(resolved))
+
+
+def load(spec: str | os.PathLike) -> Tokenizer:
+  """The tokenizer `spec` names: "byte", a tokenizer.json, a SentencePiece .model, or a directory holding one."""
+  spec = os.fspath(spec).strip() if spec is not None else ""
+  if spec in ("", BYTE):
+    return ByteTokenizer()
+  if spec.startswith("bpe:"):
+    raise UserError(f"tokenizer {spec!r} is trained from a config's dataset: load it with "
+                    "tokenizer.for_config(cfg), or pass the trained tokenizer's path")
+  path = pathlib.Path(spec).expanduser()
+  if path.is_dir():
+    for name in (HF_FILE, SP_FILE):
+      if (path / name).is_file():
+        path = path / name
+        break
+    else:
+      models = sorted(path.glob("*.model"))
+      if len(models) != 1:
+        raise UserError(f"tokenizer directory {spec!r} holds no {HF_FILE} or {SP_FILE} (nor exactly one *.model); "
+                        "pass the tokenizer file itself, or byte")
+      path = models[0]
+  if not path.is_file():
+    raise UserError(f"tokenizer {spec!r} does not exist; pass byte, a tokenizer.json, a SentencePiece .model, a "
+                    "directory holding one, or bpe:N (trained on the dataset on first use)")
+  try:
+    return _load_cached(str(path.resolve()), path.stat().st_mtime_ns)
+  except OSError as e:
+    raise UserError(f"cannot read tokenizer {spec!r}: {e.strerror or e}") from e
+
+
+def from_workdir(workdir: str | os.PathLike) -> Tokenizer:
+  """The tokenizer the run in `workdir` uses (WORKDIR/tokenizer/), bytes if there is none."""
+  directory = pathlib.Path(workdir) / WORKDIR_SUBDIR
+  if not directory.is_dir() or not any((directory / n).is_file() for n in (HF_FILE, SP_FILE)):
+    return ByteTokenizer()
+  return load(directory)
+
+
+def _hf_side_files(tok: HfTokenizer) -> dict[str, str]:
+  """tokenizer_config.json and special_tokens_map.json contents, so transformers' AutoTokenizer loads the dir."""
+  name = lambda i: None if i is None else tok._id_to_token[i]  # pylint: disable=protected-access
+  specials = {"eos_token": name(tok.eos_id), "pad_token": name(tok.pad_id)}
+  if tok.bos_id is not None:
+    specials["bos_token"] = name(tok.bos_id)
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30, "clean_up_tokenization_spaces":
+            False, **specials}
+  return {"tokenizer_config.json": json.dumps(config, indent=2), "special_tokens_map.json": json.dumps(specials, indent=2)}
+
+
+def write_files(tok: Tokenizer, directory: pathlib.Path) -> None:
+  """Writes `tok`'s files into the existing `directory` under their usual names (nothing for bytes)."""
+  if tok.kind == "hf":
+    shutil.copyfile(tok.path, directory / HF_FILE)
+    for name, text in _hf_side_files(tok).items():
+      source = tok.path.parent / name
+      # The tokenizer's own side files carry more (chat template, added-token details); ours only what we know.
+      if source.is_file() and tok.path.name == HF_FILE:
+        shutil.copyfile(source, directory / name)
+      else:
+        (directory / name).write_text(text)
+  elif tok.kind == "sentencepiece":
+    shutil.copyfile(tok.path, directory / SP_FILE)
+
+
+def save_to_workdir(tok: Tokenizer, workdir: str | os.PathLike) -> None:
+  """Copies `tok`'s file(s) into WORKDIR/tokenizer/, whole or not at all (written aside, then renamed)."""
+  workdir = pathlib.Path(workdir)
+  target = workdir / WORKDIR_SUBDIR
+  if tok.kind == BYTE:
+    return  # no directory means bytes
+  if target.is_dir() and from_workdir(workdir).fingerprint == tok.fingerprint:
+    return
+  tmp = workdir / f".{WORKDIR_SUBDIR}.tmp{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  write_files(tok, tmp)
+  if target.exists():
+    # Only a run with a new tokenizer gets here (a resume with another one is refused before), e.g. a workdir
+    # whose earlier run never saved a checkpoint: the old copy goes, the new one takes its place.
+    old = workdir / f".{WORKDIR_SUBDIR}.old{os.getpid()}"
+    os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+  else:
+    os.replace(tmp, target)
+
+
+# --- tokenizers trained from a dataset ------------------------------------------------------------------------
+
+
+def parse_bpe_spec(spec: str) -> int | None:
+  """N for "bpe:N", None for any other spec."""
+  match = re.fullmatch(r"bpe:(\d+)", spec.strip())
+  if not spec.strip().startswith("bpe:"):
+    return None
+  if not match or int(match.group(1)) < 256 + len(BPE_SPECIALS):
+    raise UserError(f"data.tokenizer={spec!r}: write bpe:N with N >= {256 + len(BPE_SPECIALS)} (the 256 byte "
+                    "tokens and the specials come first), e.g. bpe:4096")
+  return int(match.group(1))
+
+
+def train_bpe(texts, vocab_size: int, out_dir: pathlib.Path, length: int | None = None) -> HfTokenizer:
+  """Trains a byte-level BPE of `vocab_size` ids on the iterable `texts`; writes out_dir/tokenizer.json and the
+  transformers side files (written aside and renamed, so out_dir appears whole or not at all). Ids 0, 1, 2 are
+  the specials pad, end-of-text, begin-of-text; the 256 bytes follow, so every string encodes."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS), show_progress=False,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(texts, trainer, length=length)
+  out_dir = pathlib.Path(out_dir)
+  out_dir.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
+  tok.save(str(tmp / HF_FILE))
+  for name, text in _hf_side_files(HfTokenizer(tmp / HF_FILE)).items():
+    (tmp / name).write_text(text)
+  if out_dir.exists():
+    shutil.rmtree(out_dir)
+  os.replace(tmp, out_dir)
+  return HfTokenizer(out_dir / HF_FILE)
+
+
+@contextlib.contextmanager
+def _lock(path: pathlib.Path):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def for_config(cfg) -> Tokenizer:
+  """The tokenizer cfg.data.tokenizer names; "bpe:N" is trained on the dataset's train split the first time and
+  cached under the TFDS data dir (keyed by the dataset's name, version and split, and N)."""
+  spec = str(cfg.data.tokenizer)
+  vocab_size = parse_bpe_spec(spec)
+  if vocab_size is None:
+    return load(spec)
+  from meshtrain.data import pipeline  # pylint: disable=g-import-not-at-top
+  if cfg.data.name == pipeline.SYNTHETIC:
+    raise UserError(f"data.tokenizer={spec!r} is trained on the dataset's text, and data.name=synthetic has none; "
+                    "use data.tokenizer=byte with synthetic data")
+  texts, info, cache_root = pipeline.train_texts(cfg)
+  slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.data.train_split)
+  out_dir = (cache_root / "meshtrain_tokenizers" / info.full_name.replace("/", "__") /
+             f"bpe{vocab_size}-{slug}-{cfg.data.text_key}")
+  if (out_dir / HF_FILE).is_file():
+    return load(out_dir)
+  with _lock(out_dir.with_name(f".{out_dir.name}.lock")):
+    if not (out_dir / HF_FILE).is_file():  # another process may have trained it while we waited
+      t0 = time.perf_counter()
+      train_bpe(texts, vocab_size, out_dir, length=len(texts))
+      print(f"trained a {vocab_size}-id byte-level BPE on {len(texts)} documents of {info.full_name}/"
+            f"{cfg.data.train_split} in {time.perf_counter() - t0:.1f}s; cached in {out_dir}", flush=True)
+  return load(out_dir)
