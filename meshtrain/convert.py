@@ -1,0 +1,611 @@
+"""Hugging Face Llama checkpoints in and out.
+
+  python -m meshtrain.convert from-hf HF_DIR --workdir W     # LlamaForCausalLM -> meshtrain workdir (step 0)
+  python -m meshtrain.convert to-hf --workdir W [--step N] --out HF_DIR
+
+from-hf writes W/checkpoints/0 (parameters only, meta `params_only`), W/config.json (the matching meshtrain
+config) and W/tokenizer/ (the model's tokenizer files), so `python -m meshtrain.generate --workdir W` and
+`train --config.init_from=W` work on it. to-hf writes safetensors, config.json (LlamaForCausalLM) and the
+tokenizer, loadable by transformers' AutoModelForCausalLM and AutoTokenizer.
+
+Both stream: weights are read and written one tensor at a time through safetensors' numpy API (no torch), and
+per-layer tensors land in preallocated stacked arrays, so memory holds one copy of the model plus one tensor
+(from-hf) or one output shard (to-hf). Output goes to a temporary directory beside the target, renamed into
+place at the end: a failed conversion leaves nothing behind.
+
+Layouts (HF's Linear stores weight [out, in]; meshtrain stores [in, out] with heads as their own axes):
+  q_proj [H*E, D] -> q [D, H, E]      k_proj, v_proj [K*E, D] -> k, v [D, K, E]      o_proj [D, H*E] -> o [H, E, D]
+  gate_proj, up_proj [F, D] -> [D, F]  down_proj [D, F] -> [F, D]   embed_tokens [V, D] = embedding [V, D]
+  lm_head [V, D] -> head [D, V]        *_layernorm, norm [D] -> scale [D]
+The rotary convention is the same on both sides (rotate-half: the first and second half of each head form the
+pairs), so no permutation of q/k rows is needed; tests/test_convert.py checks logits against transformers.
+"""
+import contextlib
+import json
+import math
+import os
+import pathlib
+import shutil
+import sys
+
+import numpy as np
+
+from meshtrain.errors import ArgumentParser, UserError
+
+ARCHITECTURE = "LlamaForCausalLM"
+# Defaults of transformers' LlamaConfig, for fields a config.json may omit (transformers writes them all today,
+# older or hand-written files do not).
+HF_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False,
+               "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048, "pretraining_tp": 1}
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# safetensors dtype -> the meshtrain param_dtype holding it exactly. float16 widens to float32 (meshtrain stores
+# float32 or bfloat16 only; float16 -> float32 is exact).
+PARAM_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float32"}
+# to-hf output shards: each is built in memory before safetensors writes it, so this bounds what to-hf holds
+# beyond the parameters themselves.
+SHARD_BYTES = 2 << 30
+# Byte tokenizer specials as Hugging Face names them in the tokenizer.json to-hf writes (ids from meshtrain's
+# byte tokenizer: pad 256, eos 257, bos 258).
+BYTE_SPECIALS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output directories: written beside the target under a temporary name, renamed into place when complete.
+
+def check_output(path: pathlib.Path, flag: str) -> None:
+  """`path` may be created: absent, or an empty directory, with a writable parent."""
+  if path.exists() or path.is_symlink():
+    if not path.is_dir():
+      raise UserError(f"{flag} {str(path)!r} exists and is not a directory; pass a new directory")
+    if any(path.iterdir()):
+      raise UserError(f"{flag} {str(path)!r} exists and is not empty; pass a new or empty directory (nothing was "
+                      "overwritten)")
+  parent = path.absolute().parent
+  while not parent.exists():
+    parent = parent.parent
+  if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    raise UserError(f"{flag} {str(path)!r} cannot be created: {str(parent)!r} is not a writable directory")
+
+
+@contextlib.contextmanager
+def staged(target: pathlib.Path):
+  """Yields a fresh directory beside `target` (same file system, so the final rename is atomic); renames it to
+  `target` on success, removes it on any failure, Ctrl-C included."""
+  target = target.absolute()
+  target.parent.mkdir(parents=True, exist_ok=True)
+  tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)  # left by a killed earlier conversion with the same pid
+  tmp.mkdir()
+  try:
+    yield tmp
+    if target.is_dir():
+      target.rmdir()  # empty (checked before starting); rename cannot replace a directory on every system
+    tmp.rename(target)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face -> meshtrain
+
+def read_hf_config(hf_dir: pathlib.Path) -> dict:
+  """The HF config.json as meshtrain model fields, or a UserError naming the first field meshtrain cannot run."""
+  path = hf_dir / "config.json"
+  if not path.is_file():
+    raise UserError(f"{str(hf_dir)!r} has no config.json; pass a Hugging Face model directory (config.json and "
+                    "*.safetensors, as save_pretrained writes)")
+  try:
+    hf = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UserError(f"{str(path)!r} is not valid JSON ({e}); pass a Hugging Face model directory") from None
+  if not isinstance(hf, dict):
+    raise UserError(f"{str(path)!r} holds a JSON {type(hf).__name__}, not an object; pass a Hugging Face model "
+                    "directory")
+  hf = {**HF_DEFAULTS, **hf}
+  archs = hf.get("architectures") or []
+  if hf.get("model_type") != "llama" or (archs and archs != [ARCHITECTURE]):
+    raise UserError(f"{str(path)!r}: model_type {hf.get('model_type')!r}, architectures {archs}; only "
+                    f"model_type 'llama' / {ARCHITECTURE} converts (meshtrain's model is the Llama architecture)")
+  missing = [k for k in REQUIRED_FIELDS if not isinstance(hf.get(k), int) or hf[k] <= 0]
+  if missing:
+    raise UserError(f"{str(path)!r} lacks a positive integer {missing[0]!r}; a Llama config.json needs "
+                    f"{', '.join(REQUIRED_FIELDS)}")
+  # Fields whose other values change the computation in ways meshtrain's model does not implement.
+  rope = hf.get("rope_parameters") or {}  # transformers >= 5: {"rope_type": ..., "rope_theta": ...}
+  scaling = hf.get("rope_scaling")       # transformers 4: None, or {"rope_type"/"type": ..., "factor": ...}
+  for field, value in (("rope_parameters.rope_type", rope.get("rope_type", "default")),
+                       ("rope_scaling", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))):
+    if value != "default":
+      raise UserError(f"{str(path)!r}: {field} is {value!r}; meshtrain's rotary embedding is the unscaled one "
+                      "(rope_type 'default'); other rope scaling is not supported")
+  unsupported = [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1)]
+  for field, expected in unsupported:
+    if hf.get(field) != expected:
+      raise UserError(f"{str(path)!r}: {field} is {hf.get(field)!r}; meshtrain's Llama supports only {field}="
+                      f"{json.dumps(expected)}")
+  heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+  rope_theta = rope.get("rope_theta", hf["rope_theta"])
+  return {
+      "vocab_size": hf["vocab_size"], "num_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"],
+      "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "mlp_dim": hf["intermediate_size"],
+      "tie_embeddings": bool(hf["tie_word_embeddings"]), "rope_theta": float(rope_theta),
+      "norm_eps": float(hf["rms_norm_eps"]), "max_position_embeddings": int(hf["max_position_embeddings"]),
+  }
+
+
+def hf_tensors(m: dict) -> dict:
+  """HF tensor name -> (meshtrain parameter path, layer index or None, HF shape) for model fields `m`."""
+  D, H, K, E, F, V = m["d_model"], m["num_heads"], m["num_kv_heads"], m["head_dim"], m["mlp_dim"], m["vocab_size"]
+  out = {"model.embed_tokens.weight": (("embedding",), None, (V, D)),
+         "model.norm.weight": (("final_norm", "scale"), None, (D,))}
+  if not m["tie_embeddings"]:
+    out["lm_head.weight"] = (("head",), None, (V, D))
+  per_layer = {"self_attn.q_proj.weight": (("attn", "q"), (H * E, D)),
+               "self_attn.k_proj.weight": (("attn", "k"), (K * E, D)),
+               "self_attn.v_proj.weight": (("attn", "v"), (K * E, D)),
+               "self_attn.o_proj.weight": (("attn", "o"), (D, H * E)),
+               "mlp.gate_proj.weight": (("mlp", "gate"), (F, D)),
+               "mlp.up_proj.weight": (("mlp", "up"), (F, D)),
+               "mlp.down_proj.weight": (("mlp", "down"), (D, F)),
+               "input_layernorm.weight": (("attn_norm", "scale"), (D,)),
+               "post_attention_layernorm.weight": (("mlp_norm", "scale"), (D,))}
+  for i in range(m["num_layers"]):
+    for suffix, (path, shape) in per_layer.items():
+      out[f"model.layers.{i}.{suffix}"] = (("layers", *path), i, shape)
+  return out
+
+
+def meshtrain_shapes(m: dict) -> dict:
+  """meshtrain parameter path -> shape (stacked over layers), the Flax tree's layout (see the module docstring)."""
+  N, D, H, K, E, F, V = (m[k] for k in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                                        "vocab_size"))
+  shapes = {("embedding",): (V, D), ("final_norm", "scale"): (D,),
+            ("layers", "attn", "q"): (N, D, H, E), ("layers", "attn", "k"): (N, D, K, E),
+            ("layers", "attn", "v"): (N, D, K, E), ("layers", "attn", "o"): (N, H, E, D),
+            ("layers", "mlp", "gate"): (N, D, F), ("layers", "mlp", "up"): (N, D, F), ("layers", "mlp", "down"): (N, F, D),
+            ("layers", "attn_norm", "scale"): (N, D), ("layers", "mlp_norm", "scale"): (N, D)}
+  if not m["tie_embeddings"]:
+    shapes[("head",)] = (D, V)
+  return shapes
+
+
+def weight_files(hf_dir: pathlib.Path) -> dict:
+  """HF tensor name -> safetensors file holding it (from model.safetensors.index.json, or every *.safetensors)."""
+  index = hf_dir / "model.safetensors.index.json"
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise UserError(f"{str(index)!r} is not a safetensors index (no weight_map: {e}); fix or remove it") from None
+    files = {name: hf_dir / file for name, file in weight_map.items()}
+    absent = sorted({str(f) for f in files.values() if not f.is_file()})
+    if absent:
+      raise UserError(f"{str(index)!r} names {len(absent)} missing shard(s), e.g. {absent[0]!r}; copy every shard")
+    return files
+  shards = sorted(hf_dir.glob("*.safetensors"))
+  if not shards:
+    others = sorted(p.name for p in hf_dir.glob("*.bin")) + sorted(p.name for p in hf_dir.glob("*.pth"))
+    hint = (f" (it has {', '.join(others[:3])}: PyTorch pickles, which meshtrain does not read because that needs "
+            "torch; re-save with save_pretrained(..., safe_serialization=True))") if others else ""
+    raise UserError(f"{str(hf_dir)!r} has no *.safetensors weights{hint}; pass a directory save_pretrained wrote")
+  files = {}
+  for shard in shards:
+    with _open_safetensors(shard) as f:
+      files.update({name: shard for name in f.keys()})
+  return files
+
+
+def _open_safetensors(path: pathlib.Path):
+  from safetensors import safe_open
+  try:
+    return safe_open(str(path), framework="np")
+  except Exception as e:  # SafetensorError: a header that does not parse, a file shorter than its header says
+    raise UserError(f"{str(path)!r} is not a readable safetensors file ({' '.join(str(e).split())[:200]}); "
+                    "re-download or re-save it") from None
+
+
+def check_tensors(files: dict, m: dict, hf_dir: pathlib.Path) -> str:
+  """Every tensor the config implies is present with its shape, nothing unexpected is there; returns the
+  param_dtype that holds the weights exactly. Reads only the safetensors headers."""
+  expected = hf_tensors(m)
+  ignored = {n for n in files if n.endswith("rotary_emb.inv_freq")}  # a buffer older transformers saved
+  if m["tie_embeddings"]:
+    ignored |= {"lm_head.weight"} & files.keys()  # some tied checkpoints store the shared matrix twice
+  unexpected = sorted(set(files) - set(expected) - ignored)
+  if unexpected:
+    raise UserError(f"{str(hf_dir)!r} holds {len(unexpected)} tensor(s) a {ARCHITECTURE} with this config.json has "
+                    f"not, e.g. {unexpected[0]!r} (biases, extra layers or another architecture); not converted")
+  missing = [n for n in expected if n not in files]
+  if missing:
+    hint = (" (tie_word_embeddings is false but there is no lm_head: set it to true if the head is the embedding)"
+            if missing == ["lm_head.weight"] else "")
+    raise UserError(f"{str(hf_dir)!r} lacks {len(missing)} tensor(s) its config.json implies, e.g. {missing[0]!r}"
+                    f"{hint}; the weights and config.json do not match")
+  dtypes = set()
+  by_file = {}
+  for name in expected:
+    by_file.setdefault(files[name], []).append(name)
+  for file, names in by_file.items():
+    with _open_safetensors(file) as f:
+      for name in names:
+        piece = f.get_slice(name)
+        shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+        if shape != expected[name][2]:
+          raise UserError(f"{file.name}: {name} has shape {list(shape)}, config.json implies "
+                          f"{list(expected[name][2])}; the weights and config.json do not match")
+        if dtype not in PARAM_DTYPES:
+          raise UserError(f"{file.name}: {name} is {dtype}; meshtrain converts float32, bfloat16 and float16 weights")
+        dtypes.add(dtype)
+  # One storage dtype for all parameters (meshtrain has one param_dtype): bfloat16 only if every tensor is.
+  return "bfloat16" if dtypes == {"BF16"} else "float32"
+
+
+def _to_meshtrain(name: str, w: np.ndarray, out: np.ndarray) -> None:
+  """Copies HF tensor `w` into the meshtrain slot `out` (a view into the stacked array), transposing on the way:
+  writing through a reshaped view of the slot avoids a temporary of the transposed tensor."""
+  if name.endswith(("_layernorm.weight", "norm.weight", "embed_tokens.weight")):
+    np.copyto(out, w, casting="same_kind")
+  elif name.endswith("o_proj.weight"):  # [D, H*E] -> [H, E, D]
+    np.copyto(out.reshape(-1, out.shape[-1]), w.T, casting="same_kind")
+  else:  # [out, in] -> [in, out...]: q, k, v ([D, H, E] slots), gate, up, down, lm_head
+    np.copyto(out.reshape(out.shape[0], -1), w.T, casting="same_kind")
+
+
+def _tokenizer_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
+  return [hf_dir / n for n in TOKENIZER_FILES if (hf_dir / n).is_file()]
+
+
+def _tokenizer_record(files: list[pathlib.Path], vocab_size: int, hf_dir: pathlib.Path) -> dict:
+  """meta["tokenizer"] of the model's tokenizer (meshtrain.data.tokenizer's describe(): kind, sha256 of its
+  file, vocabulary size); the byte tokenizer when the directory has no tokenizer file."""
+  from meshtrain.data import tokenizer as tokenizer_lib
+  names = {f.name: f for f in files}
+  main = names.get("tokenizer.json") or names.get("tokenizer.model")
+  if main is None:
+    if vocab_size < tokenizer_lib.VOCAB_SIZE:
+      raise UserError(f"{str(hf_dir)!r} has no tokenizer file (tokenizer.json or tokenizer.model), and vocab_size "
+                      f"{vocab_size} is too small for meshtrain's byte tokenizer ({tokenizer_lib.VOCAB_SIZE} ids); "
+                      "add the model's tokenizer files")
+    return tokenizer_lib.ByteTokenizer().describe()
+  tok = tokenizer_lib.load(str(main))
+  if tok.vocab_size > vocab_size:
+    raise UserError(f"{str(main)!r} has {tok.vocab_size} token ids but config.json's vocab_size is {vocab_size}; "
+                    "the tokenizer does not belong to these weights")
+  return tok.describe()
+
+
+def from_hf(hf_dir: str, workdir: str) -> pathlib.Path:
+  """Converts the LlamaForCausalLM in `hf_dir` into a meshtrain workdir; returns its path."""
+  src, target = pathlib.Path(hf_dir).expanduser(), pathlib.Path(workdir).expanduser()
+  if not src.is_dir():
+    raise UserError(f"HF_DIR {hf_dir!r} is not a directory; pass a Hugging Face model directory (config.json and "
+                    "*.safetensors)")
+  check_output(target, "--workdir")
+  m = read_hf_config(src)
+  files = weight_files(src)
+  param_dtype = check_tensors(files, m, src)
+  tokenizer_files = _tokenizer_files(src)
+  tokenizer = _tokenizer_record(tokenizer_files, m["vocab_size"], src)
+  cfg = _meshtrain_config(m, param_dtype, tokenizer_files, target)
+
+  # Everything checked: from here on only the machine can fail, and the staged directory is removed if it does.
+  import ml_dtypes
+  dtype = np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
+  params = {}
+  for path, shape in meshtrain_shapes(m).items():
+    node = params
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = np.empty(shape, dtype)  # preallocated: each HF tensor is copied into its slot, then dropped
+  expected = hf_tensors(m)
+  by_file = {}
+  for name in expected:
+    by_file.setdefault(files[name], []).append(name)
+  with staged(target) as tmp:
+    for file, names in by_file.items():
+      with _open_safetensors(file) as f:
+        for name in names:
+          path, layer, _ = expected[name]
+          node = params
+          for key in path:
+            node = node[key]
+          _to_meshtrain(name, f.get_tensor(name), node if layer is None else node[layer])
+    if tokenizer_files:
+      (tmp / "tokenizer").mkdir()
+      for file in tokenizer_files:
+        shutil.copyfile(file, tmp / "tokenizer" / file.name)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    meta = {"config": cfg, "params_only": True, "tokenizer": tokenizer, "layer_order": "sequential",
+            "source": {"format": "huggingface", "architecture": ARCHITECTURE, "path": str(src.absolute()),
+                       "dtype": param_dtype}}
+    _save_params(tmp, params, meta)
+  return target
+
+
+def _meshtrain_config(m: dict, param_dtype: str, tokenizer_files: list[pathlib.Path], workdir: pathlib.Path) -> dict:
+  """base_config() with the HF model's fields: the config a converted workdir records."""
+  from meshtrain import config as config_lib
+  cfg = config_lib.base_config()
+  for key in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+              "tie_embeddings", "rope_theta", "norm_eps"):
+    cfg.model[key] = m[key]
+  cfg.model.preset = "huggingface"
+  cfg.model.init = "normal"  # HF weights are used as they are: no fan_in rescaling in the forward pass
+  cfg.model.param_dtype = param_dtype
+  # Compute in float32 whatever the storage: exact on the CPU, and what the logits tests compare; generate and
+  # fine-tuning can pass --config.model.dtype=bfloat16.
+  cfg.model.dtype = "float32"
+  # The sequence length the model was trained for, capped: seq_len also sizes training batches and generation's
+  # default cache, and Llama 3's 131,072 would make those huge by default.
+  cfg.seq_len = min(m["max_position_embeddings"], 4096)
+  if "tokenizer" in cfg.data:  # meshtrain.data.tokenizer: the tokenizer travels in WORKDIR/tokenizer/
+    main = next((f.name for f in tokenizer_files if f.name in ("tokenizer.json", "tokenizer.model")), None)
+    cfg.data.tokenizer = "byte" if main is None else str(workdir.absolute() / "tokenizer" / main)
+  config_lib.validate(cfg)
+  return cfg.to_dict()
+
+
+def _save_params(workdir: pathlib.Path, params: dict, meta: dict) -> None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host work: never claim an accelerator for it
+  from meshtrain import checkpoint
+  ckpt = checkpoint.Checkpointer(workdir, keep=1)
+  try:
+    ckpt.save(0, {"params": params}, meta)
+    ckpt.wait()
+  finally:
+    ckpt.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# meshtrain -> Hugging Face
+
+def _stacked_layers(params: dict, num_layers: int) -> dict:
+  """The per-layer parameters as one tree with a leading layer axis: `layers` already is (scan_layers=true),
+  `layer_0`, `layer_1`, ... (scan_layers=false) are indexed the same way without stacking (no copy)."""
+  if "layers" in params:
+    return params["layers"]
+  return _LayerList([params[f"layer_{i}"] for i in range(num_layers)])
+
+
+class _LayerList:
+  """`tree["attn"]["q"][i]` over unstacked layers, the access `to_hf` uses, without building a stacked copy."""
+
+  def __init__(self, layers, path=()):
+    self._layers, self._path = layers, path
+
+  def __getitem__(self, key):
+    if isinstance(key, int):
+      node = self._layers[key]
+      for k in self._path:
+        node = node[k]
+      return node
+    return _LayerList(self._layers, (*self._path, key))
+
+
+def hf_config(model: dict, tied: bool, dtype: str, seq_len: int, tokenizer_ids: dict) -> dict:
+  """config.json for transformers' LlamaForCausalLM with meshtrain model fields `model`."""
+  return {
+      "architectures": [ARCHITECTURE], "model_type": "llama",
+      "vocab_size": model["vocab_size"], "hidden_size": model["d_model"], "intermediate_size": model["mlp_dim"],
+      "num_hidden_layers": model["num_layers"], "num_attention_heads": model["num_heads"],
+      "num_key_value_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "hidden_act": "silu",
+      "max_position_embeddings": seq_len, "rms_norm_eps": model["norm_eps"],
+      # Both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta (and ignores the other).
+      "rope_theta": model["rope_theta"], "rope_scaling": None,
+      "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
+      "tie_word_embeddings": tied, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+      "pretraining_tp": 1, "initializer_range": model.get("init_std", 0.02), "use_cache": True,
+      "dtype": dtype, "torch_dtype": dtype, **tokenizer_ids,
+  }
+
+
+def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[str]]:
+  """Exports the parameters of `workdir` (latest step, or `step`) as a Hugging Face LlamaForCausalLM directory;
+  returns its path and notes about what changed on the way."""
+  src, target = pathlib.Path(workdir).expanduser(), pathlib.Path(out).expanduser()
+  if not (src / "checkpoints").is_dir():
+    raise UserError(f"--workdir {workdir!r} holds no checkpoints (no {str(src / 'checkpoints')!r}); pass the "
+                    "workdir of a training run or of from-hf")
+  check_output(target, "--out")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from meshtrain import checkpoint
+  params, meta = checkpoint.load_params(src, step=step)
+  model = meta["config"]["model"]
+  if model.get("num_experts", 0):
+    raise UserError(f"the model in {workdir!r} is a mixture of experts (model.num_experts={model['num_experts']}); "
+                    f"{ARCHITECTURE} has dense MLPs only, so it cannot be exported")
+  if meta.get("layer_order", "sequential") != "sequential":
+    raise UserError(f"the checkpoint in {workdir!r} stores its layers in {meta['layer_order']} order (circular "
+                    "pipeline); export a checkpoint of a run with pipeline.schedule=gpipe or no pipeline")
+  D, E = model["d_model"], model["head_dim"]
+  fan_in = model.get("init") == "fan_in"
+  tied = bool(model["tie_embeddings"])
+  notes = []
+  if tied and fan_in:
+    # The forward pass divides tied logits by sqrt(D) (MaxText's normalisation): an HF tied model cannot, so
+    # the head becomes its own matrix, embedding / sqrt(D).
+    tied = False
+    notes.append(f"model.init=fan_in with tied embeddings divides the logits by sqrt(d_model)={math.sqrt(D):g}; "
+                 "exported untied, with lm_head = embedding / sqrt(d_model) (tie_word_embeddings=false)")
+  layers = _stacked_layers(params, model["num_layers"])
+  dtype = np.asarray(params["embedding"]).dtype
+  dtype_name = "bfloat16" if dtype.name == "bfloat16" else "float32"
+  q_scale = math.sqrt(E) if fan_in else None  # the forward pass multiplies w_q by sqrt(E): fold it in
+
+  def tensors():
+    """(HF name, producer of its [out, in] numpy array): each built only when its shard is written."""
+    yield "model.embed_tokens.weight", lambda: np.asarray(params["embedding"])
+    for i in range(model["num_layers"]):
+      p = f"model.layers.{i}."
+      yield p + "input_layernorm.weight", lambda i=i: np.asarray(layers["attn_norm"]["scale"][i])
+      for n in ("q", "k", "v"):
+        def qkv(i=i, n=n):
+          w = np.asarray(layers["attn"][n][i])  # [D, H, E]
+          w = w.reshape(w.shape[0], -1).T
+          if n == "q" and q_scale:
+            w = (w.astype(np.float32) * q_scale).astype(dtype)
+          return np.ascontiguousarray(w)
+        yield p + f"self_attn.{n}_proj.weight", qkv
+      yield p + "self_attn.o_proj.weight", lambda i=i: _contiguous_t(np.asarray(layers["attn"]["o"][i]).reshape(-1, D))
+      yield p + "post_attention_layernorm.weight", lambda i=i: np.asarray(layers["mlp_norm"]["scale"][i])
+      for n in ("gate", "up", "down"):
+        yield p + f"mlp.{n}_proj.weight", lambda i=i, n=n: _contiguous_t(np.asarray(layers["mlp"][n][i]))
+    yield "model.norm.weight", lambda: np.asarray(params["final_norm"]["scale"])
+    if "head" in params:
+      yield "lm_head.weight", lambda: _contiguous_t(np.asarray(params["head"]))
+    elif not tied:  # tied + fan_in, untied on export
+      yield "lm_head.weight", lambda: (np.asarray(params["embedding"]).astype(np.float32) / math.sqrt(D)).astype(dtype)
+
+  tok = run_tokenizer(src, meta.get("tokenizer") or {})
+  with staged(target) as tmp:
+    write_safetensors(tmp, tensors())
+    ids = write_tokenizer(tmp, tok, src, meta["config"]["seq_len"])
+    (tmp / "config.json").write_text(json.dumps(hf_config(model, tied, dtype_name, meta["config"]["seq_len"], ids),
+                                                indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in ids.items() if v is not None},
+                                                           indent=2))
+  return target, notes
+
+
+def _contiguous_t(w: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(w.T)
+
+
+def write_safetensors(directory: pathlib.Path, tensors) -> None:
+  """Writes (name, producer) pairs as shards of at most SHARD_BYTES (one file, model.safetensors, when they all
+  fit), with model.safetensors.index.json when there are several: the layout save_pretrained writes. Only one
+  shard's tensors exist at a time."""
+  from safetensors.numpy import save_file
+  shards, current, size, total = [], {}, 0, 0
+  weight_map = {}
+
+  def flush():
+    nonlocal current, size
+    if current:
+      name = f"shard-{len(shards):05d}.tmp"
+      save_file(current, str(directory / name), metadata={"format": "pt"})  # "pt": transformers checks it
+      shards.append((name, list(current)))
+      current, size = {}, 0
+
+  for name, produce in tensors:
+    w = produce()
+    if size and size + w.nbytes > SHARD_BYTES:
+      flush()
+    current[name] = w
+    size += w.nbytes
+    total += w.nbytes
+  flush()
+  if len(shards) == 1:
+    (directory / shards[0][0]).rename(directory / "model.safetensors")
+    return
+  for i, (tmp_name, names) in enumerate(shards):
+    final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    (directory / tmp_name).rename(directory / final)
+    weight_map.update({n: final for n in names})
+  (directory / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def byte_tokenizer_json() -> str:
+  """tokenizer.json equivalent to meshtrain's byte tokenizer: id b is byte b (0..255), then pad, eos, bos.
+
+  A byte-level BPE without merges: the ByteLevel pre-tokenizer maps each byte to one printable character (GPT-2's
+  table), the vocabulary maps that character back to the byte's value, and the ByteLevel decoder turns the
+  characters back into bytes (invalid UTF-8 -> U+FFFD, as meshtrain's decode)."""
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+  from meshtrain.data import tokenizer as byte
+  alphabet = _bytes_to_unicode()
+  tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  specials = [(byte.PAD_ID, BYTE_SPECIALS["pad_token"]), (byte.EOS_ID, BYTE_SPECIALS["eos_token"]),
+              (byte.BOS_ID, BYTE_SPECIALS["bos_token"])]  # added in id order: each gets the next id
+  for expected_id, text in sorted(specials):
+    tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+    assert tok.token_to_id(text) == expected_id, (text, tok.token_to_id(text))
+  return tok.to_str(pretty=True)
+
+
+def _bytes_to_unicode() -> dict:
+  """GPT-2's byte -> printable character table, the one tokenizers' ByteLevel pre-tokenizer applies."""
+  printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[b] = chr(b)
+    else:
+      chars[b] = chr(256 + extra)
+      extra += 1
+  return chars
+
+
+def run_tokenizer(workdir: pathlib.Path, record: dict):
+  """The tokenizer the run in `workdir` used (WORKDIR/tokenizer/, bytes if absent), checked against the one its
+  checkpoint names (meta["tokenizer"])."""
+  from meshtrain.data import tokenizer as tokenizer_lib
+  tok = tokenizer_lib.from_workdir(workdir)
+  if record.get("fingerprint", tok.fingerprint) != tok.fingerprint:
+    raise UserError(f"the checkpoint was trained with the {record.get('kind')} tokenizer {record['fingerprint'][:12]}..., "
+                    f"but {str(workdir / 'tokenizer')!r} holds {tok.kind} {tok.fingerprint[:12]}...; restore the run's "
+                    "own tokenizer files there")
+  return tok
+
+
+def write_tokenizer(directory: pathlib.Path, tok, workdir: pathlib.Path, seq_len: int) -> dict:
+  """`tok` (the run's, see run_tokenizer) as Hugging Face files in `directory`; returns the special ids for
+  config.json."""
+  from meshtrain.data import tokenizer as tokenizer_lib
+  if tok.kind == tokenizer_lib.BYTE:
+    (directory / "tokenizer.json").write_text(byte_tokenizer_json())
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", **BYTE_SPECIALS, "model_max_length": seq_len,
+         "clean_up_tokenization_spaces": False}, indent=2))
+    (directory / "special_tokens_map.json").write_text(json.dumps(BYTE_SPECIALS, indent=2))
+  else:
+    tokenizer_lib.write_files(tok, directory)
+    if tok.kind == "sentencepiece" and not (workdir / "tokenizer" / "tokenizer_config.json").is_file():
+      # AutoTokenizer needs to be told which class reads tokenizer.model; meshtrain adds no specials when encoding.
+      (directory / "tokenizer_config.json").write_text(json.dumps(
+          {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+           "model_max_length": seq_len}, indent=2))
+    elif (workdir / "tokenizer" / "tokenizer_config.json").is_file():
+      shutil.copyfile(workdir / "tokenizer" / "tokenizer_config.json", directory / "tokenizer_config.json")
+  return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+  parser = ArgumentParser(prog="python -m meshtrain.convert", description=__doc__.split("\n\n")[0])
+  commands = parser.add_subparsers(dest="command", required=True, metavar="{from-hf,to-hf}")
+  p = commands.add_parser("from-hf", help="Hugging Face LlamaForCausalLM directory -> meshtrain workdir")
+  p.add_argument("hf_dir", metavar="HF_DIR")
+  p.add_argument("--workdir", required=True, help="new (or empty) directory for the converted model")
+  p = commands.add_parser("to-hf", help="meshtrain workdir -> Hugging Face LlamaForCausalLM directory")
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  p.add_argument("--out", required=True, help="new (or empty) directory for the Hugging Face files")
+  try:
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "from-hf":
+      target = from_hf(args.hf_dir, args.workdir)
+      print(f"converted {args.hf_dir} -> {target} (step 0, parameters only); generate with "
+            f"python -m meshtrain.generate --workdir {target}, fine-tune with --config.init_from={target}")
+    else:
+      target, notes = to_hf(args.workdir, args.step, args.out)
+      for note in notes:
+        print(f"note: {note}")
+      print(f"exported {args.workdir} -> {target}; load with transformers.AutoModelForCausalLM.from_pretrained"
+            f"({str(target)!r}) and AutoTokenizer.from_pretrained")
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

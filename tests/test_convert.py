@@ -1,0 +1,284 @@
+"""Hugging Face interop against the real client: transformers' LlamaForCausalLM in, meshtrain out, and back.
+
+Needs the `hf` extra (torch, transformers). Without it this module fails to import, so CI cannot pass by skipping
+it; MESHTRAIN_SKIP_HF_TESTS=1 skips it on purpose (e.g. a machine where the 5.5 GB of torch do not fit).
+"""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+try:
+  import torch
+  import transformers
+except ImportError as e:
+  if os.environ.get("MESHTRAIN_SKIP_HF_TESTS") == "1":
+    pytest.skip("MESHTRAIN_SKIP_HF_TESTS=1: Hugging Face conversion tests skipped", allow_module_level=True)
+  raise ImportError(f"tests/test_convert.py checks conversions against transformers and torch ({e}); install them "
+                    "with pip install -e '.[test,hf]', or set MESHTRAIN_SKIP_HF_TESTS=1 to skip these tests "
+                    "knowingly") from e
+
+from meshtrain import checkpoint, convert
+from meshtrain.models.llama import ModelConfig, Transformer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TOKENS = np.random.default_rng(0).integers(0, 259, size=(2, 12))  # batch 2, 12 positions: rotary at work
+TOLERANCE = 1e-4  # max |logits difference|, float32
+
+
+def make_hf(path, *, tied=False, dtype=torch.float32, hidden=48, heads=4, kv_heads=2, head_dim=16, vocab=300,
+            tokenizer=False):
+  """A random LlamaForCausalLM saved by transformers. Weights are redrawn at 1/sqrt(fan_in) and norm scales
+  away from 1, so logits are O(1) and a wrong layout could not hide under the tolerance."""
+  cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=80, num_hidden_layers=2,
+                                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                                 tie_word_embeddings=tied, rope_theta=500_000.0, rms_norm_eps=1e-6,
+                                 max_position_embeddings=64)
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(cfg)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.uniform_(0.5, 1.5)
+      elif "embed" in name:
+        p.normal_(0, 1)
+      else:
+        p.normal_(0, p.shape[1] ** -0.5)
+  model.to(dtype).save_pretrained(path)
+  if tokenizer:
+    (path / "tokenizer.json").write_text(convert.byte_tokenizer_json())
+  return path
+
+
+def hf_logits(path, tokens=TOKENS):
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.numpy()
+
+
+def meshtrain_logits(workdir, tokens=TOKENS, step=None):
+  params, meta = checkpoint.load_params(workdir, step=step)
+  model = Transformer(ModelConfig.from_config(meta["config"]["model"]))
+  return np.asarray(model.apply({"params": params}, jnp.asarray(tokens)))
+
+
+def assert_close(a, b):
+  assert a.shape == b.shape
+  assert np.std(a) > 0.1  # logits that carry signal: a layout mistake would show
+  diff = np.max(np.abs(a - b))
+  assert diff <= TOLERANCE, f"max |logits difference| {diff:.2e} > {TOLERANCE}"
+
+
+def run_convert(*args):
+  return convert.main([str(a) for a in args])
+
+
+@pytest.mark.parametrize("variant", ["gqa_untied", "tied", "bfloat16"])
+def test_from_hf_logits_equal_transformers(tmp_path, variant):
+  kwargs = {"gqa_untied": {}, "tied": {"tied": True, "kv_heads": 4, "head_dim": 12},
+            "bfloat16": {"dtype": torch.bfloat16}}[variant]
+  hf = make_hf(tmp_path / "hf", **kwargs)
+  assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 0
+  meta = checkpoint.load_params(tmp_path / "w")[1]
+  model = meta["config"]["model"]
+  assert meta["params_only"] and meta["tokenizer"]["kind"] == "byte"
+  assert json.loads((tmp_path / "w" / "config.json").read_text()) == meta["config"]
+  assert model["param_dtype"] == ("bfloat16" if variant == "bfloat16" else "float32")
+  assert model["tie_embeddings"] == (variant == "tied") and model["rope_theta"] == 500_000.0
+  assert model["head_dim"] * model["num_heads"] != model["d_model"] or variant == "tied"
+  assert_close(meshtrain_logits(tmp_path / "w"), hf_logits(hf))
+
+
+def test_sharded_index_and_tokenizer_are_read(tmp_path):
+  hf = make_hf(tmp_path / "hf", tokenizer=True)
+  # Re-save as two shards with an index, the layout of large checkpoints.
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(hf / "model.safetensors")
+  names = sorted(tensors)
+  shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+            "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+  for file, part in shards.items():
+    save_file({n: tensors[n] for n in part}, hf / file, metadata={"format": "pt"})
+  (hf / "model.safetensors").unlink()
+  (hf / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+  assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 0
+  assert (tmp_path / "w" / "tokenizer" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+  assert checkpoint.load_params(tmp_path / "w")[1]["tokenizer"]["kind"] == "hf"
+  assert_close(meshtrain_logits(tmp_path / "w"), hf_logits(hf))
+
+
+def test_round_trip_is_exact(tmp_path):
+  hf = make_hf(tmp_path / "hf", dtype=torch.bfloat16)
+  assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 0
+  assert run_convert("to-hf", "--workdir", tmp_path / "w", "--out", tmp_path / "back") == 0
+  from safetensors.numpy import load_file
+  before, after = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+  assert sorted(before) == sorted(after)
+  for name, w in before.items():
+    assert after[name].dtype == w.dtype and np.array_equal(after[name], w), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A meshtrain-trained checkpoint out to transformers.
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """The tiny model after 4 training steps (8 simulated devices, sharded checkpoint), exported to HF."""
+  root = tmp_path_factory.mktemp("trained")
+  done = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", "configs/tiny.py", "--workdir",
+                         root / "run", "--config.steps=4", "--config.seq_len=32", "--config.batch_size=8",
+                         "--config.eval_every=0", "--config.log_every=1", "--config.optimizer.warmup_steps=1",
+                         "--config.model.num_layers=2"], cwd=REPO, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert run_convert("to-hf", "--workdir", root / "run", "--out", root / "hf") == 0
+  return root
+
+
+def test_to_hf_loads_in_transformers_with_equal_logits(trained):
+  config = json.loads((trained / "hf" / "config.json").read_text())
+  assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 2
+  assert_close(meshtrain_logits(trained / "run"), hf_logits(trained / "hf"))
+
+
+def test_greedy_generation_agrees_token_for_token(trained):
+  """transformers' generate (KV cache, greedy) against greedy decoding with meshtrain's forward pass."""
+  prompt = TOKENS[:, :6]
+  new = 16
+  model = transformers.AutoModelForCausalLM.from_pretrained(trained / "hf", dtype=torch.float32)
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                            attention_mask=torch.ones_like(torch.tensor(prompt))).numpy()[:, prompt.shape[1]:]
+  params, meta = checkpoint.load_params(trained / "run")
+  net = Transformer(ModelConfig.from_config(meta["config"]["model"]))
+  ids = prompt
+  for _ in range(new):
+    logits = np.asarray(net.apply({"params": params}, jnp.asarray(ids)))[:, -1]
+    ids = np.concatenate([ids, logits.argmax(-1)[:, None]], axis=1)
+  np.testing.assert_array_equal(ids[:, prompt.shape[1]:], theirs)
+
+
+def test_byte_tokenizer_round_trips_through_auto_tokenizer(trained):
+  from meshtrain.data import tokenizer as byte
+  tok = transformers.AutoTokenizer.from_pretrained(trained / "hf")
+  text = "def f(x):\n    return x  # ünïcödé ✓ \t"
+  ids = tok(text, add_special_tokens=False)["input_ids"]
+  assert ids == byte.encode(text).tolist()
+  assert tok.decode(ids + [byte.EOS_ID], skip_special_tokens=True) == text
+  assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (byte.PAD_ID, byte.EOS_ID, byte.BOS_ID)
+
+
+def test_fan_in_tied_exports_untied_with_scaled_head(tmp_path, capsys):
+  """model.init=fan_in scales w_q by sqrt(E) and tied logits by 1/sqrt(D) in the forward pass: the export folds
+  both into the weights, so transformers computes the same logits."""
+  import flax.linen as nn
+  import jax
+  from meshtrain import config as config_lib
+  cfg = config_lib.base_config()
+  cfg.model.num_layers, cfg.model.init, cfg.model.tie_embeddings = 2, "fan_in", True
+  params = nn.meta.unbox(Transformer(ModelConfig.from_config(cfg.model)).init(
+      jax.random.key(1), jnp.zeros((1, 4), jnp.int32))["params"])
+  params = jax.tree.map(np.asarray, params)
+  ckpt = checkpoint.Checkpointer(tmp_path / "w", keep=1)
+  ckpt.save(0, {"params": params}, {"config": cfg.to_dict(), "params_only": True,
+                                    "tokenizer": {"kind": "byte", "fingerprint": "byte"}})
+  ckpt.wait()
+  ckpt.close()
+  assert run_convert("to-hf", "--workdir", tmp_path / "w", "--out", tmp_path / "hf") == 0
+  assert "exported untied, with lm_head = embedding / sqrt(d_model)" in capsys.readouterr().out
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+  assert_close(meshtrain_logits(tmp_path / "w"), hf_logits(tmp_path / "hf"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: exit 2 with one line; nothing half-written.
+
+def one_line_error(capsys, *needles):
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1, err
+  for needle in needles:
+    assert needle in err, err
+
+
+@pytest.fixture(scope="module")
+def valid_hf(tmp_path_factory):
+  return make_hf(tmp_path_factory.mktemp("valid") / "hf")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}),
+    ("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"), ("model_type", "mistral"),
+    ("architectures", ["MistralForCausalLM"]),
+])
+def test_unsupported_field_is_refused(valid_hf, tmp_path, capsys, field, value):
+  hf = tmp_path / "hf"
+  shutil.copytree(valid_hf, hf)
+  config = json.loads((hf / "config.json").read_text())
+  config[field] = value
+  (hf / "config.json").write_text(json.dumps(config))
+  assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 2
+  one_line_error(capsys, field.split("_")[0] if field != "architectures" else "architectures")
+  assert not (tmp_path / "w").exists()
+
+
+def test_bad_hf_directories_are_refused(valid_hf, tmp_path, capsys):
+  (tmp_path / "empty").mkdir()
+  assert run_convert("from-hf", tmp_path / "empty", "--workdir", tmp_path / "w") == 2
+  one_line_error(capsys, "no config.json")
+  (tmp_path / "noweights").mkdir()
+  shutil.copy(valid_hf / "config.json", tmp_path / "noweights")
+  (tmp_path / "noweights" / "pytorch_model.bin").write_bytes(b"")
+  assert run_convert("from-hf", tmp_path / "noweights", "--workdir", tmp_path / "w") == 2
+  one_line_error(capsys, "no *.safetensors", "pytorch_model.bin")
+  mismatch = tmp_path / "mismatch"
+  shutil.copytree(valid_hf, mismatch)
+  config = json.loads((mismatch / "config.json").read_text())
+  config["num_hidden_layers"] = 3
+  (mismatch / "config.json").write_text(json.dumps(config))
+  assert run_convert("from-hf", mismatch, "--workdir", tmp_path / "w") == 2
+  one_line_error(capsys, "model.layers.2.")
+  (tmp_path / "full").mkdir()
+  (tmp_path / "full" / "keep.txt").write_text("mine")
+  assert run_convert("from-hf", valid_hf, "--workdir", tmp_path / "full") == 2
+  one_line_error(capsys, "not empty")
+  assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+  assert not (tmp_path / "w").exists()
+
+
+def test_to_hf_refuses_what_llama_cannot_hold(tmp_path, capsys):
+  from meshtrain import config as config_lib
+  cfg = config_lib.base_config()
+  cfg.model.num_experts = 4
+  ckpt = checkpoint.Checkpointer(tmp_path / "moe", keep=1)
+  ckpt.save(0, {"params": {"embedding": np.zeros((4, 4), np.float32)}}, {"config": cfg.to_dict(), "params_only": True})
+  ckpt.wait()
+  ckpt.close()
+  assert run_convert("to-hf", "--workdir", tmp_path / "moe", "--out", tmp_path / "hf") == 2
+  one_line_error(capsys, "mixture of experts")
+  assert run_convert("to-hf", "--workdir", tmp_path / "nothing", "--out", tmp_path / "hf") == 2
+  one_line_error(capsys, "holds no checkpoints")
+  assert not (tmp_path / "hf").exists()
+
+
+def test_failed_conversion_leaves_nothing(valid_hf, tmp_path, monkeypatch):
+  def crash(directory, *args):
+    (directory / "half-written").write_text("x")
+    raise OSError("No space left on device")
+  monkeypatch.setattr(convert, "_save_params", crash)
+  with pytest.raises(OSError):
+    run_convert("from-hf", valid_hf, "--workdir", tmp_path / "w")
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_command_line_exit_code(tmp_path):
+  """The module entry point: exit 2 and one line, before JAX is even imported."""
+  done = subprocess.run([sys.executable, "-m", "meshtrain.convert", "from-hf", str(tmp_path / "missing"), "--workdir",
+                         str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True)
+  assert done.returncode == 2 and done.stderr.startswith("error: HF_DIR") and done.stderr.count("\n") == 1
