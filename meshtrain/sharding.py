@@ -28,14 +28,20 @@ _BASE = {"embed": None, "mlp": None, "heads": None, "kv_heads": None, "head_dim"
          "norm": None, "layers": "stage", "expert": "expert", "act_expert": "expert",
          "act_batch": BATCH_AXES, "act_len": "sequence", "act_res_len": "sequence", "act_embed": None,
          "act_heads": None, "act_kv_heads": None, "act_head_dim": None, "act_mlp": None, "act_vocab": None,
-         "act_stage": "stage"}
+         "act_stage": "stage",
+         # The generation KV cache (meshtrain/models/llama.py, CACHE_AXES) like the activations it stores: rows over
+         # the batch axes, kv heads over `tensor` where the rules split heads. Its layer axis is never split
+         # (generation runs unpipelined), nor its slots (no sequence split while decoding).
+         "cache_layers": None, "cache_batch": BATCH_AXES, "cache_len": None, "cache_kv_heads": None,
+         "cache_head_dim": None}
 # ZeRO-3: every matrix has an `embed` dimension, so every matrix (and its optimizer state) is split; XLA
 # all-gathers each layer's weights before use and reduce-scatters their gradients.
 _FSDP = {"embed": "fsdp"}
 # Megatron: column-split Q/K/V and MLP-in, row-split attention-out and MLP-out, split vocab; the activations
 # between the two halves are split the same way, so each block needs one all-reduce per half.
 _TENSOR = {"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor",
-           "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor"}
+           "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor",
+           "cache_kv_heads": "tensor"}
 # Megatron sequence parallelism: between the tensor-parallel halves (norms, residual adds) the residual stream
 # is split along the sequence over `tensor` instead of replicated, so each all-reduce becomes a reduce-scatter
 # into this layout and an all-gather out of it: the same bytes, 1/tensor of the activation memory and norm work.

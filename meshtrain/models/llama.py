@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -148,7 +149,10 @@ def dense(x, w, features: str):
 
 def rotary(x_BLHE, pos_L, theta: float):
   """Rotary position embedding on the two halves of each head, at each token's position in its sequence:
-  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Positions [L] (one for all rows, training) or [B, L] (each row
+  its own, generation from left-padded prompts)."""
+  if pos_L.ndim == 2:
+    return _rotary_per_row(x_BLHE, pos_L, theta)
   B, L, H, E = x_BLHE.shape
   freq_F = theta ** (-jnp.arange(0, E // 2, dtype=jnp.float32) * 2 / E)  # F = E / 2 frequencies
   angle_LF = pos_L.astype(jnp.float32)[:, None] * freq_F[None, :]
@@ -164,11 +168,54 @@ def rotary(x_BLHE, pos_L, theta: float):
   return out_BLH2F.reshape(B, L, H, E).astype(x_BLHE.dtype)
 
 
+def _rotary_per_row(x_BLHE, pos_BL, theta: float):
+  """`rotary` with a position per row and column: the same arithmetic (halves as an axis of 2) on [B, L] tables.
+  A separate function so the training path's program is exactly what it was."""
+  B, L, H, E = x_BLHE.shape
+  freq_F = theta ** (-jnp.arange(0, E // 2, dtype=jnp.float32) * 2 / E)
+  angle_BLF = pos_BL.astype(jnp.float32)[:, :, None] * freq_F
+  sin_BLF, cos_BLF = jnp.sin(angle_BLF), jnp.cos(angle_BLF)
+  cos_BL12F = jnp.stack([cos_BLF, cos_BLF], axis=2)[:, :, None]
+  sin_BL12F = jnp.stack([-sin_BLF, sin_BLF], axis=2)[:, :, None]
+  x_BLH2F = x_BLHE.astype(jnp.float32).reshape(B, L, H, 2, E // 2)
+  out_BLH2F = x_BLH2F * cos_BL12F + x_BLH2F[..., ::-1, :] * sin_BL12F
+  return out_BLH2F.reshape(B, L, H, E).astype(x_BLHE.dtype)
+
+
+# Logical axes of the key/value cache ([layers, batch, slots, kv heads, head dim]); meshtrain/sharding.py maps them
+# like the activations they hold: the batch over the batch axes, kv heads over `tensor`.
+CACHE_AXES = ("cache_layers", "cache_batch", "cache_len", "cache_kv_heads", "cache_head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of every layer, for generation. Slots [0, end) are filled; row b's own tokens start at slot
+  start_B[b] (left padding before it, never attended to), so every row writes its next token at the same slot
+  `end` (one dynamic_update_slice for the batch) while its rotary position is its own: slot - start_B[b]."""
+  k_NBSKE: jax.Array
+  v_NBSKE: jax.Array
+  start_B: jax.Array  # int32 [B]
+  end: jax.Array      # int32 scalar
+
+  @property
+  def length(self) -> int:
+    return self.k_NBSKE.shape[2]
+
+
+def init_cache(c: ModelConfig, batch: int, length: int, start_B) -> KVCache:
+  """An empty cache of `length` slots for `batch` rows whose own tokens start at slot start_B (compute dtype)."""
+  shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+  zeros = lambda: nn.with_logical_constraint(jnp.zeros(shape, c.dtype), CACHE_AXES)
+  return KVCache(zeros(), zeros(), jnp.asarray(start_B, jnp.int32), jnp.zeros((), jnp.int32))
+
+
 class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, pos_L):
+  def __call__(self, x_BLD, pos_L, kv=None, slots=None):
+    """[B, L, D] -> [B, L, D]. Generation passes this layer's cache `kv` ([B, S, K, E] keys and values) and
+    `slots` (KVCache's start_B and end), positions [B, L]; it then returns the output and the updated cache."""
     c = self.cfg
     D, H, K, E = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)  # residual branches summed N times: keep their sum O(1)
@@ -194,6 +241,15 @@ class Attention(nn.Module):
     q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_heads", "act_head_dim"))
     k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
+    if kv is not None:
+      (k_BSKE, v_BSKE), (start_B, end) = kv, slots
+      write = lambda cache_BSKE, new_BLKE: nn.with_logical_constraint(
+          jax.lax.dynamic_update_slice(cache_BSKE, new_BLKE.astype(cache_BSKE.dtype), (0, end, 0, 0)),
+          CACHE_AXES[1:])
+      k_BSKE, v_BSKE = write(k_BSKE, k_BLKE), write(v_BSKE, v_BLKE)
+      o_BLHE = attention.cached_attention(q_BLHE, k_BSKE, v_BSKE, start_B, end)
+      o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
+      return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BSKE, v_BSKE)
     if axis := context_axis():
       # The sequence is split over devices: each holds a chunk of queries and must see every earlier key.
       pos_BL = jnp.broadcast_to(pos_L, q_BLHE.shape[:2])
@@ -226,13 +282,19 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, pos_L):
+  def __call__(self, x_BLD, pos_L, kv=None, slots=None):
+    """(x, None); with a layer's cache `kv` (generation, see Attention) (x, the updated cache)."""
     c = self.cfg
     residual = lambda x: nn.with_logical_constraint(x, ("act_batch", "act_res_len", "act_embed"))
-    x_BLD = residual(x_BLD + Attention(c, name="attn")(residual(RMSNorm(c, name="attn_norm")(x_BLD)), pos_L))
+    h_BLD = residual(RMSNorm(c, name="attn_norm")(x_BLD))
+    if kv is None:
+      x_BLD = residual(x_BLD + Attention(c, name="attn")(h_BLD, pos_L))
+    else:
+      a_BLD, kv = Attention(c, name="attn")(h_BLD, pos_L, kv, slots)
+      x_BLD = residual(x_BLD + a_BLD)
     mlp = MoEMLP(c, moe_config(c), name="moe") if c.num_experts else MLP(c, name="mlp")
     x_BLD = residual(x_BLD + mlp(residual(RMSNorm(c, name="mlp_norm")(x_BLD))))
-    return x_BLD, None
+    return x_BLD, kv
 
 
 def unrolled_layers(c: ModelConfig) -> int:
@@ -260,8 +322,12 @@ class Transformer(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BL, pos_L=None):
+  def __call__(self, tokens_BL, pos_L=None, cache: KVCache | None = None):
+    """Training and evaluation: logits [B, L, V]. Generation passes a KVCache: tokens_BL then go into slots
+    end..end+L-1 and the result is (logits of the last column [B, 1, V], the updated cache)."""
     c = self.cfg
+    if cache is not None:
+      return self._generate(tokens_BL, cache)
     pos_L = jnp.arange(tokens_BL.shape[1]) if pos_L is None else pos_L
     # fan_in: MaxText's token embedding is normal(1.0) (fan-in 1); the first RMSNorm makes its scale harmless.
     embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype,
@@ -296,3 +362,44 @@ class Transformer(nn.Module):
                       c.init, FanIn())
       logits_BLV = dense(x_BLD, head_DV.astype(c.dtype), "D,DV->V")
     return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
+
+  def _generate(self, tokens_BL, cache: KVCache):
+    """Prefill (L prompt columns) or decode (L = 1) against the cache; same parameters, same names as __call__.
+
+    No remat, pipeline or sequence split here: nothing is differentiated, and generate.py runs the model unpipelined
+    on a mesh without a sequence axis. Only the last column's logits are computed: with left padding it is every
+    row's last token, the one whose next token is wanted, and a prefill's [B, L, V] logits would cost L times more.
+    """
+    c = self.cfg
+    embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype,
+                     c.init, FanIn(in_axes=(), distribution="normal"))
+    x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.dtype)
+    x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_res_len", "act_embed"))
+    slot_L = cache.end + jnp.arange(tokens_BL.shape[1], dtype=jnp.int32)
+    pos_BL = slot_L[None, :] - cache.start_B[:, None]  # each row counts from its own first token
+    kv, slots = (cache.k_NBSKE, cache.v_NBSKE), (cache.start_B, cache.end)
+    if c.scan_layers:
+      stack = nn.scan(Block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True},
+                      in_axes=(nn.broadcast, 0, nn.broadcast), length=c.num_layers, unroll=unrolled_layers(c),
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BLD, (k_NBSKE, v_NBSKE) = stack(c, name="layers")(x_BLD, pos_BL, kv, slots)
+    else:
+      ks, vs = [], []
+      for i in range(c.num_layers):
+        x_BLD, (k_BSKE, v_BSKE) = Block(c, name=f"layer_{i}")(x_BLD, pos_BL, (kv[0][i], kv[1][i]), slots)
+        ks.append(k_BSKE)
+        vs.append(v_BSKE)
+      k_NBSKE, v_NBSKE = jnp.stack(ks), jnp.stack(vs)
+    k_NBSKE, v_NBSKE = (nn.with_logical_constraint(a, CACHE_AXES) for a in (k_NBSKE, v_NBSKE))
+    x_B1D = RMSNorm(c, name="final_norm")(x_BLD[:, -1:])
+    if c.tie_embeddings:
+      logits_B1V = dense(x_B1D, embed_VD.astype(c.dtype), "D,VD->V")
+      if c.init == "fan_in":
+        logits_B1V = logits_B1V / jnp.asarray(math.sqrt(c.d_model), logits_B1V.dtype)
+    else:
+      head_DV = param(self, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype,
+                      c.init, FanIn())
+      logits_B1V = dense(x_B1D, head_DV.astype(c.dtype), "D,DV->V")
+    logits_B1V = nn.with_logical_constraint(logits_B1V.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
+    new_cache = cache.replace(k_NBSKE=k_NBSKE, v_NBSKE=v_NBSKE, end=cache.end + tokens_BL.shape[1])
+    return logits_B1V, new_cache

@@ -1,0 +1,460 @@
+"""Generate text from a trained (or converted) model: a compiled prefill, then a KV-cache decode loop on the device.
+
+  python -m meshtrain.generate --workdir W [--step N] (--prompt TEXT ... | --prompt-file F | --prompt-ids 1,2,3)
+      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--max-len N] [--json]
+      [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N]
+
+Only the parameters are restored (meshtrain.checkpoint.load_params), straight into the shardings the logical rules
+give them on this mesh: any mesh, whatever mesh trained them. Prompts of different lengths share one batch: they
+are left-padded to a common length, each row keeps its own rotary positions and never attends to its padding
+(meshtrain/models/llama.py, KVCache), so a prompt gets the same tokens alone or in a batch. The decode loop is a
+`lax.while_loop` on the device that stops when every row has met its end-of-sequence token or its length limit;
+the host only wakes up between chunks of `stream_every` tokens, to print them (streaming). Temperature 0 is greedy.
+
+Exit codes: 0 done, 2 a user mistake (bad prompt, length, sampling setting, missing checkpoint), one `error:` line.
+"""
+import dataclasses
+import functools
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+from meshtrain import config as config_lib
+from meshtrain.errors import ArgumentParser, UserError
+
+STREAM_EVERY = 16  # tokens per decode call when streaming: one host round trip per 16 tokens costs ~nothing
+PROMPT_BUCKET = 16  # prompts are padded to a multiple of this, so nearby prompt lengths share one compiled prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """temperature 0: greedy (argmax); else softmax(logits / temperature) restricted to the top_k most likely ids
+  (0: all) and to the smallest set whose probability reaches top_p (1.0: all)."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def check(self, vocab_size: int) -> None:
+    if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+      raise UserError(f"--temperature {self.temperature} must be a finite number >= 0 (0: greedy)")
+    if not 0 <= self.top_k <= vocab_size:
+      raise UserError(f"--top-k {self.top_k} must be between 0 (off) and the vocabulary size {vocab_size}")
+    if not 0 < self.top_p <= 1:
+      raise UserError(f"--top-p {self.top_p} must be in (0, 1] (1: off)")
+
+
+@dataclasses.dataclass
+class Output:
+  """What one `Generator.generate` call produced, per prompt in order, and how fast."""
+  texts: list[str]
+  token_ids: list[list[int]]   # the new tokens of each prompt, its end-of-sequence token included when it stopped there
+  finish_reasons: list[str]    # eos | max_new_tokens | context (the prompt plus its tokens reached max_len)
+  prompt_tokens: int           # real prompt tokens (no padding)
+  prefill_s: float
+  decode_s: float
+  decode_tokens: int           # tokens made by the decode loop (each row's first token comes from the prefill)
+
+  @property
+  def prefill_tokens_per_sec(self) -> float:
+    return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+  @property
+  def decode_tokens_per_sec(self) -> float:
+    return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+  def to_json(self) -> dict:
+    return {"completions": self.texts, "token_ids": self.token_ids, "finish_reasons": self.finish_reasons,
+            "prefill_tokens_per_sec": self.prefill_tokens_per_sec, "decode_tokens_per_sec": self.decode_tokens_per_sec,
+            "prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,
+            "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+
+def sample(logits_BV, key, sampling: Sampling):
+  """Next token id per row, [B] int32."""
+  import jax
+  import jax.numpy as jnp
+  if sampling.temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV / sampling.temperature
+  if sampling.top_k:
+    kth_B1 = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  if sampling.top_p < 1:
+    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+    p_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # Keep an id while the probability of the more likely ones is still below top_p: the most likely always stays.
+    keep_BV = jnp.cumsum(p_BV, axis=-1) - p_BV < sampling.top_p
+    cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    logits_BV = jnp.where(logits_BV < cutoff_B1, -jnp.inf, logits_BV)
+  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+class Generator:
+  """Prefill + KV-cache decode of a meshtrain Transformer on a mesh; reusable across calls (compiled programs are
+  kept per batch size, padded prompt length, new-token count and sampling setting).
+
+    gen = Generator.from_workdir("runs/tiny")                  # a run's latest parameters, on one device
+    out = gen.generate(["def main(", "import "], max_new_tokens=64)
+    out.texts, out.token_ids, out.decode_tokens_per_sec
+
+  or from parameters in memory: Generator(params, model_cfg, tokenizer=tok, mesh=mesh) with `params` the Flax
+  tree (numpy or jax arrays; they are placed in the mesh's shardings) and `model_cfg` a ModelConfig or the `model`
+  config group. `max_len` bounds prompt + new tokens (a run's seq_len by default for from_workdir; None: no bound).
+  `add_bos` puts the tokenizer's BOS in front of every prompt (a converted Hugging Face Llama expects it; meshtrain's
+  own runs train without BOS, so from_workdir turns it on only for converted checkpoints).
+  """
+
+  def __init__(self, params, model_cfg, *, tokenizer=None, mesh=None, rules=None, max_len: int | None = None,
+               add_bos: bool = False):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from meshtrain import mesh as mesh_lib, sharding
+    from meshtrain.data import tokenizer as tokenizer_lib
+    from meshtrain.models.llama import ModelConfig, Transformer
+    if not isinstance(model_cfg, ModelConfig):
+      model_cfg = ModelConfig.from_config(model_cfg)
+    # Generation runs the plain layer stack: no pipeline, no remat (nothing is differentiated), attention by the
+    # cache path; a checkpoint trained pipelined (sequential layer order) has the same parameter tree.
+    self.model_cfg = dataclasses.replace(model_cfg, pipeline_stages=1, pipeline_microbatches=1, remat="none")
+    self.model = Transformer(self.model_cfg)
+    self.tokenizer = tokenizer if tokenizer is not None else tokenizer_lib.load("byte")
+    if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+      raise UserError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model only {self.model_cfg.vocab_size} "
+                      "(model.vocab_size); use the tokenizer the model was trained with")
+    self.mesh = mesh if mesh is not None else mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    for axis in ("stage", "sequence"):
+      if self.mesh.shape.get(axis, 1) > 1:
+        raise UserError(f"generation does not split over mesh.{axis}={self.mesh.shape[axis]}; set mesh.{axis}=1 and "
+                        "use mesh.data, mesh.fsdp or mesh.tensor")
+    self.rules = sharding.for_mesh(rules or sharding.rules_for("fsdp_tp"), self.mesh)
+    sharding.check_mesh_uses_rules(self.mesh, self.rules, has_experts=self.model_cfg.num_experts > 0)
+    import jax.numpy as jnp
+    boxed = jax.eval_shape(self.model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))["params"]
+    sharding.param_table(boxed, self.mesh, self.rules)  # a weight the mesh cannot split evenly: UserError naming it
+    self.param_shardings = sharding.shardings_of(boxed, self.mesh, self.rules)
+    self.params = jax.device_put(params, self.param_shardings)
+    self.batch_ways = int(np.prod([self.mesh.shape[a] for a in mesh_lib.BATCH_AXES]))
+    self.max_len = max_len
+    self.add_bos = add_bos
+    self.pad_id = self.tokenizer.pad_id
+    self.eos_id = self.tokenizer.eos_id
+    self._replicated = NamedSharding(self.mesh, P())
+    self._batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
+    self._compiled = {}
+
+  @classmethod
+  def from_workdir(cls, workdir, step: int | None = None, *, mesh=None, rules=None, max_len: int | None = None,
+                   tokenizer=None) -> "Generator":
+    """The parameters of `workdir`'s checkpoint `step` (default the newest), its model config and tokenizer, on
+    `mesh` (default one device). max_len defaults to the run's seq_len, the context it was trained on."""
+    import jax
+    from meshtrain import checkpoint, mesh as mesh_lib, sharding
+    from meshtrain.data import tokenizer as tokenizer_lib
+    if mesh is None:
+      mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    params, meta = checkpoint.load_params(workdir, step, mesh=mesh,
+                                          rules=sharding.for_mesh(rules or sharding.rules_for("fsdp_tp"), mesh))
+    saved = meta["config"]
+    if tokenizer is None:
+      tokenizer = tokenizer_lib.from_workdir(workdir)
+    return cls(params, saved["model"], tokenizer=tokenizer, mesh=mesh, rules=rules,
+               max_len=max_len if max_len is not None else saved.get("seq_len"),
+               add_bos=bool(meta.get("params_only")) and tokenizer.bos_id is not None)
+
+  # --- prompts ---
+
+  def encode(self, prompts) -> list[np.ndarray]:
+    """Token ids of each prompt: a string is encoded by the tokenizer, a sequence of ints is taken as ids."""
+    out = []
+    for i, prompt in enumerate(prompts):
+      if isinstance(prompt, (str, bytes)):
+        ids = np.asarray(self.tokenizer.encode(prompt), np.int32)
+      else:
+        ids = np.asarray(prompt, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.model_cfg.vocab_size):
+          raise UserError(f"prompt {i} has token id {int(ids.min() if ids.min() < 0 else ids.max())} outside the "
+                          f"model's vocabulary 0..{self.model_cfg.vocab_size - 1}")
+        ids = ids.astype(np.int32)
+      if self.add_bos:
+        ids = np.concatenate([[self.tokenizer.bos_id], ids]).astype(np.int32)
+      if ids.size == 0:
+        # Nothing to condition on: start where a training document starts, after an end-of-sequence token.
+        ids = np.asarray([self.eos_id if self.eos_id is not None else self.pad_id], np.int32)
+      out.append(ids)
+    return out
+
+  # --- compiled programs ---
+
+  def _programs(self, B: int, P: int, T: int, sampling: Sampling, stop_at_eos: bool):
+    """(prefill, decode) compiled for B rows, prompts padded to P, up to T new tokens; cached."""
+    key = (B, P, T, sampling, stop_at_eos)
+    if key not in self._compiled:
+      self._compiled[key] = self._compile(B, P, T, sampling, stop_at_eos)
+    return self._compiled[key]
+
+  def _compile(self, B: int, P: int, T: int, sampling: Sampling, stop_at_eos: bool):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from meshtrain.models.llama import init_cache
+    c, model, pad, eos = self.model_cfg, self.model, self.pad_id, self.eos_id
+    S = P + T - 1  # slots: the prompt, then every new token but the last (it is never fed back)
+    check_eos = stop_at_eos and eos is not None
+
+    def stopped(token_B, t, limit_B):
+      """Rows whose token at index t ends them: their end-of-sequence token, or their last allowed token."""
+      done_B = t + 1 >= limit_B
+      return done_B | (token_B == eos) if check_eos else done_B
+
+    def prefill(params, tokens_BP, start_B, limit_B, key):
+      cache = init_cache(c, B, S, start_B)
+      logits_B1V, cache = model.apply({"params": params}, tokens_BP, cache=cache)
+      live_B = limit_B > 0  # rows that only pad the batch to a multiple of the batch axes have limit 0
+      token_B = jnp.where(live_B, sample(logits_B1V[:, 0], jax.random.fold_in(key, 0), sampling), pad)
+      out_BT = jnp.full((B, T), pad, jnp.int32).at[:, 0].set(token_B)
+      return {"cache": cache, "out_BT": out_BT, "t": jnp.ones((), jnp.int32),
+              "done_B": ~live_B | stopped(token_B, 0, limit_B), "limit_B": limit_B, "key": key}
+
+    def decode(params, state, t_stop):
+      """Tokens t .. t_stop-1 (fewer if every row stops first), in one while loop on the device."""
+      def body(s):
+        t = s["t"]
+        token_B1 = jax.lax.dynamic_slice_in_dim(s["out_BT"], t - 1, 1, axis=1)
+        logits_B1V, cache = model.apply({"params": params}, token_B1, cache=s["cache"])
+        token_B = jnp.where(s["done_B"], pad, sample(logits_B1V[:, 0], jax.random.fold_in(s["key"], t), sampling))
+        out_BT = jax.lax.dynamic_update_slice(s["out_BT"], token_B[:, None], (0, t))
+        return {**s, "cache": cache, "out_BT": out_BT, "t": t + 1,
+                "done_B": s["done_B"] | stopped(token_B, t, s["limit_B"])}
+      return jax.lax.while_loop(lambda s: (s["t"] < t_stop) & ~jnp.all(s["done_B"]), body, state)
+
+    tokens = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=self._batch_sharding)
+    rows = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=self._replicated)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=self._replicated)
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params)
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      prefill_c = jax.jit(prefill).lower(params, tokens, rows, rows, key).compile()
+      state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                           prefill_c.out_info, prefill_c.output_shardings)
+      # The state is donated: the cache is updated in place, not copied, every call.
+      decode_c = jax.jit(decode, donate_argnums=1).lower(
+          params, state, jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)).compile()
+    return prefill_c, decode_c
+
+  # --- generation ---
+
+  def generate(self, prompts, max_new_tokens: int = 128, sampling: Sampling | None = None, seed: int = 0,
+               stream_every: int | None = None, on_tokens=None, stop_at_eos: bool = True) -> Output:
+    """Completions of `prompts` (strings or lists of token ids), up to max_new_tokens each.
+
+    With stream_every=N the decode loop returns to the host every N tokens and `on_tokens(t, out_BT, done_B)`
+    sees the tokens so far (numpy, [rows, tokens], rows past len(prompts) are padding) and which rows stopped;
+    without it the whole decode is one device call. stop_at_eos=False runs every row to its limit (benchmarks).
+    """
+    import jax
+    sampling = sampling or Sampling()
+    sampling.check(self.model_cfg.vocab_size)
+    if max_new_tokens <= 0:
+      raise UserError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    if not len(prompts):
+      raise UserError("no prompt given; pass --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3")
+    ids = self.encode(prompts)
+    lengths = np.asarray([len(x) for x in ids])
+    if self.max_len is not None:
+      longest = int(np.argmax(lengths))
+      if lengths[longest] >= self.max_len:
+        raise UserError(f"prompt {longest} is {lengths[longest]} tokens, but the model's context (max_len, the seq_len "
+                        f"it was trained with) is {self.max_len}, which leaves no room for a new token; shorten the "
+                        f"prompt or pass a larger --max-len")
+      limits = np.minimum(max_new_tokens, self.max_len - lengths)
+    else:
+      limits = np.full(len(ids), max_new_tokens)
+    n = len(ids)
+    B = -(-n // self.batch_ways) * self.batch_ways  # rows split evenly over the batch axes
+    P = -(-int(lengths.max()) // PROMPT_BUCKET) * PROMPT_BUCKET
+    T = int(limits.max())
+    tokens_BP = np.full((B, P), self.pad_id, np.int32)
+    start_B = np.full(B, P - 1, np.int32)
+    limit_B = np.zeros(B, np.int32)
+    for i, x in enumerate(ids):
+      tokens_BP[i, P - len(x):] = x
+      start_B[i] = P - len(x)
+      limit_B[i] = limits[i]
+    prefill, decode = self._programs(B, P, T, sampling, stop_at_eos)
+    # Inputs are placed before the clock starts: the timings are the device programs, not the host transfer.
+    tokens_BP = jax.device_put(tokens_BP, self._batch_sharding)
+    start_B, limit_B_dev = (jax.device_put(a, self._replicated) for a in (start_B, limit_B))
+    key = jax.device_put(jax.random.key(seed), self._replicated)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(prefill(self.params, tokens_BP, start_B, limit_B_dev, key))
+    t1 = time.perf_counter()
+    t = 1
+    step = stream_every or T
+    while True:
+      done_B = np.asarray(state["done_B"])
+      if on_tokens is not None:
+        on_tokens(t, np.asarray(state["out_BT"])[:, :t], done_B)
+      if t >= T or done_B.all():
+        break
+      state = decode(self.params, state, np.int32(min(t + step, T)))
+      t = int(state["t"])
+    out_BT = np.asarray(state["out_BT"])
+    t2 = time.perf_counter()
+    texts, token_ids, reasons = [], [], []
+    for i in range(n):
+      row = out_BT[i, :limits[i]]
+      stop = np.flatnonzero(row == self.eos_id) if stop_at_eos and self.eos_id is not None else []
+      if len(stop):
+        row, reason = row[:stop[0] + 1], "eos"
+      else:
+        reason = "max_new_tokens" if limits[i] == max_new_tokens else "context"
+      token_ids.append(row.tolist())
+      texts.append(self.tokenizer.decode(row))
+      reasons.append(reason)
+    return Output(texts, token_ids, reasons, int(lengths.sum()), t1 - t0, t2 - t1,
+                  sum(max(len(r) - 1, 0) for r in token_ids))
+
+
+# --- command line ---
+
+
+def parse_args(argv: list[str]):
+  parser = ArgumentParser(prog="python -m meshtrain.generate", description=__doc__.split("\n\n")[0],
+                          epilog="Mesh and sharding as for train: --config.mesh.tensor=8 --config.cpu_devices=8")
+  parser.add_argument("--workdir", required=True, help="a training run's (or a converted model's) directory")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT", help="one or more prompts")
+  source.add_argument("--prompt-file", action="append", metavar="FILE", help="a file whose text is one prompt (repeatable)")
+  source.add_argument("--prompt-ids", action="append", metavar="IDS", help="token ids of one prompt, e.g. 1,2,3 (repeatable)")
+  parser.add_argument("--max-new-tokens", type=int, default=128)
+  parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+  parser.add_argument("--top-k", type=int, default=0, help="sample from the K most likely ids (0: all)")
+  parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of probability >= P")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--max-len", type=int, default=None,
+                      help="longest prompt + completion in tokens (default: the run's seq_len, its trained context)")
+  parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+  args, overrides = parser.parse_known_args(argv)
+  if args.max_new_tokens <= 0:
+    raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+  if args.max_len is not None and args.max_len < 2:
+    raise UserError(f"--max-len {args.max_len} must be at least 2 (one prompt token and one new token)")
+  Sampling(args.temperature, args.top_k, args.top_p).check(vocab_size=sys.maxsize)
+  workdir = pathlib.Path(args.workdir).expanduser()
+  from meshtrain import checkpoint
+  steps = checkpoint.checkpoint_steps(workdir)
+  if not steps:
+    raise UserError(f"--workdir {args.workdir}: " + ("no such directory" if not workdir.is_dir() else
+                    "no complete checkpoint in it") + "; pass the directory of a training run or of a converted model")
+  if args.step is not None and args.step not in steps:
+    raise UserError(f"--step {args.step}: {args.workdir} has checkpoints at steps {', '.join(map(str, steps))}")
+  # The run's config (model shape, seq_len) from the checkpoint's meta item: plain JSON, read before JAX starts,
+  # so the device count (cpu_devices) and XLA flags can still be set.
+  meta_path = workdir / "checkpoints" / str(args.step if args.step is not None else steps[-1]) / "meta" / "metadata"
+  try:
+    saved = json.loads(meta_path.read_text())["config"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"cannot read the run's config from {meta_path}: {e}") from e
+  cfg = config_lib.base_config()
+  # One device by default on the CPU: simulated devices are threads sharing the same cores, so splitting a decode
+  # over them only adds collectives. --config.cpu_devices=8 with mesh overrides simulates a mesh, as train does.
+  cfg.cpu_devices = 1
+  for item in overrides:
+    key = config_lib.apply_override(cfg, item)
+    if not key.startswith(("mesh.", "sharding.", "cpu_devices", "xla_flags", "compilation_cache_dir")):
+      raise UserError(f"--config.{key} cannot be set for generation (the model comes from the checkpoint); only "
+                      "mesh.*, sharding.*, cpu_devices, xla_flags and compilation_cache_dir")
+  prompts = read_prompts(args)
+  return args, cfg, saved, workdir, prompts
+
+
+def read_prompts(args) -> list:
+  if args.prompt is not None:
+    return list(args.prompt)
+  if args.prompt_file is not None:
+    prompts = []
+    for path in args.prompt_file:
+      try:
+        prompts.append(pathlib.Path(path).expanduser().read_text(errors="surrogateescape"))
+      except OSError as e:
+        raise UserError(f"--prompt-file {path}: {e.strerror or e}") from e
+    return prompts
+  prompts = []
+  for text in args.prompt_ids:
+    try:
+      prompts.append([int(x) for x in text.replace(" ", "").split(",") if x])
+    except ValueError as e:
+      raise UserError(f"--prompt-ids {text!r} must be comma-separated integers, e.g. 1,2,3") from e
+  return prompts
+
+
+class TextStream:
+  """Prints completions as their tokens arrive. One prompt: its text, chunk by chunk. Several: each completion
+  whole, under a `[i]` header, as soon as that row stops (rows stop at different times)."""
+
+  def __init__(self, generator: Generator, count: int, out=sys.stdout):
+    self.generator, self.count, self.out = generator, count, out
+    self.printed = [""] * count
+    self.finished = [False] * count
+
+  def __call__(self, t, out_BT, done_B):
+    for i in range(self.count):
+      if self.finished[i] or (self.count > 1 and not done_B[i]):
+        continue
+      row = out_BT[i]
+      eos = np.flatnonzero(row == self.generator.eos_id) if self.generator.eos_id is not None else []
+      text = self.generator.tokenizer.decode(row[:eos[0]] if len(eos) else row)
+      if not done_B[i]:
+        text = text.rstrip("\ufffd")  # a character cut between two chunks: print it once it is whole
+      if self.count > 1:
+        self.out.write(f"[{i}] ")
+      self.out.write(text[len(self.printed[i]):] if text.startswith(self.printed[i]) else text)
+      self.printed[i] = text
+      if done_B[i]:
+        self.out.write("\n")
+        self.finished[i] = True
+      self.out.flush()
+
+  def close(self, output: Output):
+    """Rows that ended without the loop seeing them stop (the last chunk), and a summary on stderr."""
+    for i in range(self.count):
+      if not self.finished[i]:
+        if self.count > 1:
+          self.out.write(f"[{i}] ")
+        text = output.texts[i]
+        self.out.write((text[len(self.printed[i]):] if text.startswith(self.printed[i]) else text) + "\n")
+    self.out.flush()
+    print(f"prefill {output.prompt_tokens} tokens in {output.prefill_s * 1e3:.1f} ms "
+          f"({output.prefill_tokens_per_sec:,.0f} tokens/s); decode {output.decode_tokens} tokens in "
+          f"{output.decode_s * 1e3:.1f} ms ({output.decode_tokens_per_sec:,.0f} tokens/s)", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    args, cfg, saved, workdir, prompts = parse_args(sys.argv[1:] if argv is None else argv)
+    from meshtrain import runtime
+    runtime.start(cfg)
+    from meshtrain import mesh as mesh_lib, sharding
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    rules = sharding.rules_for(cfg.sharding.rules)
+    generator = Generator.from_workdir(workdir, args.step, mesh=mesh, rules=rules, max_len=args.max_len)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    if args.json:
+      output = generator.generate(prompts, args.max_new_tokens, sampling, args.seed)
+      print(json.dumps(output.to_json()))
+    else:
+      stream = TextStream(generator, len(prompts))
+      output = generator.generate(prompts, args.max_new_tokens, sampling, args.seed, stream_every=STREAM_EVERY,
+                                  on_tokens=stream)
+      stream.close(output)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
