@@ -29,7 +29,9 @@ SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_head
 # same dataset may move.)
 # data.tokenizer is not among them either: the tokenizer a checkpoint was trained with is compared by its file's
 # fingerprint (checkpoint meta "tokenizer"), so a moved file resumes and another file is refused outright.
-DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_key", "data.train_split")
+DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_key", "data.train_split",
+                     "data.format", "data.prompt_key", "data.completion_key")
+DATA_FORMATS = ("text", "prompt_completion")  # meshtrain/data/pipeline.py and meshtrain/data/sft.py
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
@@ -73,6 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.watchdog_s = 600.0          # no progress for this long (a hung collective, a dead peer): dump stacks, exit 4; 0: off
   c.checkpoint_fallback = False  # latest checkpoint damaged: resume from the previous good one (renaming, not deleting)
   c.allow_data_change = False   # resume although seed, batch_size, seq_len or the dataset changed (logged); else refused
+  # Fine-tuning: start from the parameters of WORKDIR (its latest checkpoint), of WORKDIR/checkpoints/N, or of a
+  # converted Hugging Face model (python -m meshtrain.convert from-hf): fresh optimizer, step 0, this run's data.
+  # Ignored (and logged) once this run's workdir has checkpoints of its own: those resume.
+  c.init_from = ""
   c.compilation_cache_dir = "~/.cache/meshtrain/xla"  # persistent XLA cache: a rerun skips compiling; "" disables
   c.profile_steps = ""          # e.g. "20-24": jax.profiler trace of those steps in WORKDIR/profile (TensorBoard, Perfetto)
   c.xla_flags = ""              # extra XLA flags, after meshtrain's GPU defaults and $XLA_FLAGS (later flags win)
@@ -131,6 +137,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.name = "python_stdlib"  # python_stdlib (built locally) | synthetic | any TFDS dataset name
   c.data.data_dir = ""           # TFDS data directory; "" = TFDS default (~/tensorflow_datasets)
   c.data.text_key = "text"       # feature holding the text, for TFDS datasets
+  # text: documents packed into sequences, every token trained | prompt_completion: one example per row, the loss
+  # on the completion's tokens only (supervised fine-tuning; python_stdlib_sft is built locally)
+  c.data.format = "text"
+  c.data.prompt_key = "prompt"          # prompt_completion: the feature holding the prompt
+  c.data.completion_key = "completion"  # prompt_completion: the feature holding the completion
   # byte (UTF-8 bytes + 3 specials) | PATH of a tokenizer.json, a SentencePiece .model or a directory holding one |
   # bpe:N (a byte-level BPE of N ids trained on the train split on first use, cached under the data dir)
   c.data.tokenizer = "byte"
@@ -456,6 +467,14 @@ def _check_values(cfg) -> None:
     raise UserError(f"data.name={data.name!r} is not a dataset name: TFDS names are letters, digits and _ "
                     "(name[/config][:1.2.3]), starting with a letter; use python_stdlib (built locally), synthetic, "
                     "or a TFDS dataset name such as tiny_shakespeare or lm1b")
+  _check_choice("data.format", data.format, DATA_FORMATS)
+  if data.format == "prompt_completion":
+    if data.name == "synthetic":
+      raise UserError("data.format=prompt_completion needs a dataset with prompts and completions, and synthetic has "
+                      "none; use data.name=python_stdlib_sft (built locally) or a TFDS dataset with such features")
+    if not data.prompt_key.strip() or not data.completion_key.strip() or data.prompt_key == data.completion_key:
+      raise UserError(f"data.prompt_key={data.prompt_key!r} and data.completion_key={data.completion_key!r} must name "
+                      "two different features of the dataset (python_stdlib_sft: prompt and completion)")
   splits = [("data.train_split", data.train_split)] + ([("data.eval_split", data.eval_split)] if cfg.eval_every else [])
   for key, split in splits:
     if not split.strip():

@@ -87,17 +87,22 @@ def train(cfg, workdir: pathlib.Path) -> dict:
 def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
   import jax
   import jax.numpy as jnp
-  from meshtrain import checkpoint, data, layout as layout_lib, mesh as mesh_lib, perf, sharding
+  from meshtrain import checkpoint, data, finetune, layout as layout_lib, mesh as mesh_lib, perf, sharding
   from meshtrain.metrics import MetricsWriter
   from meshtrain.profiling import StepProfiler
   from meshtrain.watchdog import Watchdog
 
   is_main = jax.process_index() == 0
   log = functools.partial(print, flush=True) if is_main else (lambda *a, **k: None)
+  # A fine-tuning run's source is checked first (it exists, its model is this run's); a workdir with checkpoints
+  # resumes them instead, so a source deleted since the run started does not stop its resumption.
+  init = finetune.resolve(cfg) if cfg.init_from and not checkpoint.checkpoint_steps(workdir) else None
 
   # --- Data, layout and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
   # The data first: a split too short for seq_len is named as such, before any model-sized buffer exists.
   tok = data.tokenizer.for_config(cfg)
+  if init is not None:
+    finetune.check_tokenizer(init, tok, cfg.data.tokenizer)
   train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
   mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -113,6 +118,9 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
         f"bubble {bubble_fraction(stages, cfg.pipeline.microbatches, repeats):.1%} of each step idle")
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)
   def check(step, meta):
+    if meta.get("params_only"):
+      raise UserError(f"{workdir} holds converted parameters (no optimizer state or data position to resume); use "
+                      f"--config.init_from={workdir} with a new --workdir to fine-tune them")
     checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, step, ckpt.directory)
     if meta.get("layer_order", "sequential") != layout.layer_order:
       raise UserError(f"the checkpoint at step {step} in {ckpt.directory} stores its layers in {meta['layer_order']} "
@@ -126,7 +134,14 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     for key, old, new in data_changes + config_lib.changes(meta["config"], cfg, config_lib.schedule_fields(cfg)):
       log(f"resuming with {key} changed: {old!r} -> {new!r}")
   # Restored straight into this run's shardings: another mesh or process count needs no conversion.
-  start, state, _ = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
+  start, state, resumed_meta = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
+  if start is not None and cfg.init_from:
+    log(f"init_from={cfg.init_from!r} is ignored: {workdir} has checkpoints of its own, resuming from step {start}")
+  if init is not None and layout.layer_order != "sequential":
+    raise UserError(f"init_from needs the layers in sequential order, but this run stores them in {layout.layer_order} "
+                    "order; fine-tune with pipeline.schedule=gpipe or pipeline.repeats=1")
+  # Recorded in every checkpoint of a fine-tuning run, resumed or not: where its parameters came from.
+  init_record = init.describe() if init is not None else (resumed_meta or {}).get("init_from")
   if start is not None and start >= cfg.steps:
     log(f"{ckpt.directory} already holds step {start} >= steps={cfg.steps}; nothing to do "
         f"(raise --config.steps to train further)")
@@ -143,7 +158,9 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
   with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="compile") as pool:
     train_future = pool.submit(timed, layout.compile_train_step)
     eval_future = pool.submit(layout.compile_eval_step) if eval_src is not None else None
-    init_future = pool.submit(layout.init, cfg.seed) if start is None else None
+    init_future = None
+    if start is None:
+      init_future = pool.submit(finetune.initial_state, layout, init) if init else pool.submit(layout.init, cfg.seed)
     train_fn, compile_s = train_future.result()
     log(f"train step compiled in {compile_s:.1f}s; {compiled_summary(train_fn)}")
     layout_lib.check_fits(layout_lib.compiled_bytes(train_fn), "the compiled train step", mesh)
@@ -153,7 +170,9 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     eval_fn = eval_future.result() if eval_future else None
     if init_future:
       state, start = init_future.result(), 0
-      log(f"initialised {sum(r.size for r in layout.table):,} parameters")
+      log(f"initialised {sum(r.size for r in layout.table):,} parameters" if init is None else
+          f"initialised from {init.workdir / 'checkpoints' / str(init.step)}: parameters only (fresh optimizer "
+          f"state, step 0)")
     else:
       log(f"resumed from {ckpt.directory / str(start)}")
 
@@ -178,7 +197,8 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     watchdog.beat(at_step, "saving a checkpoint")
     ckpt.save(at_step, state, {"config": cfg.to_dict(), "layer_order": layout.layer_order,
                                "data": {"next_step": at_step, "seed": cfg.seed, "batch_size": cfg.batch_size,
-                                        "name": cfg.data.name}})
+                                        "name": cfg.data.name},
+                               **({"init_from": init_record} if init_record else {})})
 
   seen_nonfinite = int(jax.device_get(state.nonfinite_steps))
 
@@ -223,6 +243,10 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
       clock.update(loop_t=now, loop_excluded=0.0)
     writer.write(record)
 
+  if init is not None and eval_src is not None:  # the baseline a fine-tuning run's evaluations compare to
+    record = evaluate(state.params, 0)
+    writer.write(record)
+    writer.print(f"step 0 (init_from): eval loss {record['eval_loss']:.4f}")
   preemption.start_loop(distributed=jax.process_count() > 1)
   try:
     for done in range(start + 1, cfg.steps + 1):

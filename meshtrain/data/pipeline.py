@@ -271,6 +271,9 @@ def make_source(cfg, split: str, shuffle: bool) -> Source:
     raise UserError(f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer, which uses ids "
                     f"up to {tokenizer.VOCAB_SIZE - 1}; set model.vocab_size >= {tokenizer.VOCAB_SIZE} "
                     f"(or data.name={SYNTHETIC} for random tokens)")
+  if data.format == "prompt_completion":  # one prompt/completion example per row: meshtrain/data/sft.py
+    from meshtrain.data import sft  # pylint: disable=g-import-not-at-top
+    return sft.make_source(cfg, split, shuffle, tokenizer.for_config(cfg))
   if name == STDLIB:
     from meshtrain.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
     stdlib_corpus.build(data.data_dir)

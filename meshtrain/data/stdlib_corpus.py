@@ -80,10 +80,10 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
 
 
 @contextlib.contextmanager
-def _build_lock(data_dir: pathlib.Path):
+def _build_lock(data_dir: pathlib.Path, name: str):
   # Several processes on one host may start at once; TFDS's rename of its temp dir would fail for the loser.
   data_dir.mkdir(parents=True, exist_ok=True)
-  with open(data_dir / f".{NAME}.lock", "w") as f:
+  with open(data_dir / f".{name}.lock", "w") as f:
     fcntl.flock(f, fcntl.LOCK_EX)
     try:
       yield
@@ -91,28 +91,30 @@ def _build_lock(data_dir: pathlib.Path):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build(data_dir: str = "") -> PythonStdlib:
-  """Builds the dataset under `data_dir` ("" = TFDS default) unless it is already there; returns the builder."""
-  builder = PythonStdlib(data_dir=data_dir or None)
+def build(data_dir: str = "", builder_class=PythonStdlib):
+  """Builds the dataset under `data_dir` ("" = TFDS default) unless it is already there; returns the builder.
+  `builder_class`: another dataset made from the same local files (meshtrain/data/sft.py's)."""
+  name = builder_class.name
+  builder = builder_class(data_dir=data_dir or None)
   if not builder.data_path.exists():
     root = pathlib.Path(builder.data_dir_root)
     where = f"data.data_dir={data_dir!r}" if data_dir else f"the default TFDS data_dir ({root})"
     fix = ("point data.data_dir at a writable directory, or build it once where you can write (python -c \"from "
-           "meshtrain.data import stdlib_corpus; stdlib_corpus.build('DIR')\") and point data.data_dir at DIR")
+           f"{builder_class.__module__} import build; build('DIR')\") and point data.data_dir at DIR")
     existing = next(p for p in [root, *root.parents] if p.exists())
     if not existing.is_dir():
-      raise UserError(f"{where} lies under {str(existing)!r}, which is a file, so the {NAME} dataset cannot be built "
+      raise UserError(f"{where} lies under {str(existing)!r}, which is a file, so the {name} dataset cannot be built "
                       f"there; {fix}")
     if not os.access(existing, os.W_OK | os.X_OK):
-      raise UserError(f"{where} is not writable ({existing} is read-only for this user), and the {NAME} dataset is "
+      raise UserError(f"{where} is not writable ({existing} is read-only for this user), and the {name} dataset is "
                       f"not built there yet (it is built on first use); {fix}")
     try:
-      with _build_lock(root):
+      with _build_lock(root, name):
         # A no-op ("Reusing dataset") when another process finished the build while we waited for the lock.
-        PythonStdlib(data_dir=data_dir or None).download_and_prepare()
+        builder_class(data_dir=data_dir or None).download_and_prepare()
     except OSError as e:
-      raise UserError(f"cannot build the {NAME} dataset under {where}: {e.strerror or e} ({e.filename or root}); "
+      raise UserError(f"cannot build the {name} dataset under {where}: {e.strerror or e} ({e.filename or root}); "
                       f"{fix}") from e
     # A fresh builder reads the split sizes from the written metadata.
-    builder = PythonStdlib(data_dir=data_dir or None)
+    builder = builder_class(data_dir=data_dir or None)
   return builder

@@ -1,0 +1,203 @@
+"""Supervised fine-tuning data: prompt/completion examples whose loss counts the completion tokens only.
+
+`python_stdlib_sft` is a TFDS dataset built locally, like `python_stdlib`, from the same standard-library files
+with the same per-file train/validation split: every function (or method) with a docstring is one example whose
+`prompt` is its `def` line(s) and docstring and whose `completion` is the rest of its body. A model fine-tuned on
+it learns to write a function from its signature and documentation.
+
+`SftSource` turns the examples of any TFDS dataset with a prompt and a completion feature (data.format =
+"prompt_completion", data.prompt_key, data.completion_key) into fixed-length rows: prompt tokens, completion
+tokens, EOS; the targets of the prompt's tokens and of the padding are IGNORE_ID, so the loss and evaluation count
+only what the model is asked to complete. One example is one row (nothing is packed across examples: a
+completion must not attend to another example's text), and the batch at step k is a function of (seed, k) alone,
+as for the text sources.
+"""
+import ast
+import pathlib
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from meshtrain.data import pipeline, stdlib_corpus
+from meshtrain.errors import UserError
+from meshtrain.step import IGNORE_ID
+
+NAME = "python_stdlib_sft"
+# Bump the dataset version with any change to what `examples` extracts, so a cached older build is not reused.
+VERSION = "1.0.0"
+
+
+def _dedent(line: str, prefix: str) -> str:
+  """`line` without the function's own indentation `prefix` (a method's body lines lose the class's indent)."""
+  if line.startswith(prefix):
+    return line[len(prefix):]
+  return line.lstrip(" \t") if not line.strip() or line[:len(prefix)].isspace() else line
+
+
+def examples(text: str) -> list[tuple[int, str, str]]:
+  """(line, prompt, completion) for each function in the Python source `text` that has a docstring and a body
+  after it; [] when `text` does not parse (the stdlib holds a few deliberately broken test files).
+
+  Positions come from `ast` (what `ast.get_source_segment` would cut, taken by whole lines so comments and blank
+  lines stay), dedented by the `def` line's indent, so methods and nested functions read like top-level ones.
+  """
+  # ast counts lines at \n, \r\n and \r only; str.splitlines also splits at \f, \v and others, so split by hand.
+  text = text.replace("\r\n", "\n").replace("\r", "\n")
+  try:
+    tree = ast.parse(text)
+  except (SyntaxError, ValueError):  # ValueError: source holding NUL bytes
+    return []
+  lines = text.split("\n")
+  found = []
+  for node in ast.walk(tree):
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(node, False) is None:
+      continue
+    doc = node.body[0]
+    # A body must follow on its own lines: `def f(): "doc"; return 1` has no separate completion.
+    if len(node.body) < 2 or node.body[1].lineno <= doc.end_lineno:
+      continue
+    first = lines[node.lineno - 1]
+    prefix = first[:len(first) - len(first.lstrip(" \t"))]
+    cut = lambda begin, end: "".join(_dedent(line, prefix) + "\n" for line in lines[begin:end])
+    prompt, completion = cut(node.lineno - 1, doc.end_lineno), cut(doc.end_lineno, node.end_lineno)
+    if completion.strip():
+      found.append((node.lineno, prompt, completion))
+  return found
+
+
+class PythonStdlibSft(tfds.core.GeneratorBasedBuilder):
+  """Functions of the Python standard library: `prompt` (def + docstring), `completion` (the body), `path`."""
+
+  VERSION = tfds.core.Version(VERSION)
+  RELEASE_NOTES = {"1.0.0": "Functions with a docstring from python_stdlib's files, split as python_stdlib."}
+
+  def __init__(self, *, file_format=None, **kwargs):
+    # array_record: random access without TensorFlow, as for python_stdlib.
+    super().__init__(file_format=file_format or "array_record", **kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return self.dataset_info_from_configs(
+        description=f"Functions with a docstring in the Python standard library at {stdlib_corpus.stdlib_root()}: "
+                    "prompt = def line(s) and docstring, completion = the rest of the body.",
+        features=tfds.features.FeaturesDict({"prompt": tfds.features.Text(), "completion": tfds.features.Text(),
+                                             "path": tfds.features.Text()}),
+        homepage="https://docs.python.org/3/library/",
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # nothing to download
+    root = stdlib_corpus.stdlib_root()
+    files = stdlib_corpus.source_files(root)
+    if not files:
+      raise RuntimeError(f"found no *.py files under the standard library at {root}")
+    by_split = {"train": [], "validation": []}
+    for rel in files:  # the file's split, as in python_stdlib: no function body is in both
+      by_split[stdlib_corpus.split_of(rel)].append(rel)
+    return {name: self._generate_examples(root, rels) for name, rels in by_split.items()}
+
+  def _generate_examples(self, root: pathlib.Path, rels: list[str]):
+    for rel in rels:
+      text = (root / rel).read_bytes().decode("utf-8", errors="replace")
+      for line, prompt, completion in examples(text):
+        where = f"{rel}:{line}"  # unique: one function starts on each line at most
+        yield where, {"prompt": prompt, "completion": completion, "path": where}
+
+
+def build(data_dir: str = "") -> PythonStdlibSft:
+  """Builds the dataset under `data_dir` ("" = TFDS default) unless it is there; locked, atomic (TFDS renames a
+  finished temporary directory into place), built from local files only."""
+  return stdlib_corpus.build(data_dir, PythonStdlibSft)
+
+
+# --- training rows ---------------------------------------------------------------------------------------------
+
+
+def encode_example(prompt_ids: np.ndarray, completion_ids: np.ndarray, seq_len: int, pad_id: int,
+                   eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets), each int32[seq_len], of one example: prompt, completion, EOS, then padding.
+
+  Targets are the next token where that token belongs to the completion (its EOS included) and IGNORE_ID on
+  the prompt and the padding, whose inputs are `pad_id`. What does not fit is cut so that the completion keeps at
+  least half of the row: the prompt loses its beginning (the text right before the completion matters most to
+  predicting it), the completion its end (then without EOS: the model must not learn to stop there).
+  """
+  length = seq_len + 1  # tokens [:-1] are the inputs and [1:] the targets
+  completion_ids = np.concatenate([completion_ids, [eos_id]]).astype(np.int32)
+  keep_prompt = min(len(prompt_ids), max(length - len(completion_ids), length // 2))
+  keep_completion = min(len(completion_ids), length - keep_prompt)
+  tokens = np.concatenate([prompt_ids[len(prompt_ids) - keep_prompt:], completion_ids[:keep_completion]])
+  n = len(tokens)
+  inputs_L = np.full(seq_len, pad_id, np.int32)
+  targets_L = np.full(seq_len, IGNORE_ID, np.int32)
+  inputs_L[:n - 1] = tokens[:-1]
+  # Position j predicts token j + 1: trained where that token is a completion token (index >= keep_prompt).
+  first = max(keep_prompt - 1, 0)
+  targets_L[first:n - 1] = tokens[first + 1:]
+  return inputs_L, targets_L
+
+
+class SftSource(pipeline.Source):
+  """One prompt/completion example per row; an epoch is a permutation of the examples (shuffle) or their order."""
+
+  def __init__(self, data_source, *, tok, prompt_key: str, completion_key: str, seq_len: int, seed: int,
+               name: str, split: str, shuffle: bool):
+    self._data = data_source
+    self._tok = tok
+    self.prompt_key, self.completion_key = prompt_key, completion_key
+    self.seq_len, self.shuffle = seq_len, shuffle
+    self.pad_id = tok.pad_id
+    self.num_sequences = len(data_source)
+    if self.num_sequences == 0:
+      raise UserError(f"split {split!r} of dataset {name!r} holds no examples; set data.train_split / "
+                      "data.eval_split to a non-empty split")
+    self._seed = pipeline._derive_seed("prompt_completion", seed, name, split)  # pylint: disable=protected-access
+
+  def sequence_index(self, example_index: int) -> int:
+    n = self.num_sequences
+    if not self.shuffle:  # evaluation: the same examples, in order, every time
+      return example_index % n
+    # A materialised permutation per epoch, as TfdsSource does for small splits (stdlib functions: ~8,000).
+    return int(pipeline._permutation(self._seed, example_index // n, n)[example_index % n])  # pylint: disable=protected-access
+
+  def sequence(self, seq_index: int) -> np.ndarray:
+    raise TypeError("an SftSource row is not one shifted token sequence (its prompt targets are masked); use "
+                    "rows() or pair()")
+
+  def pair(self, seq_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of example `seq_index`, see encode_example."""
+    record = self._data[seq_index]
+    prompt, completion = (_text(record[k]) for k in (self.prompt_key, self.completion_key))
+    return encode_example(self._tok.encode(prompt), self._tok.encode(completion), self.seq_len, self._tok.pad_id,
+                          self._tok.eos_id)
+
+  def rows(self, step: int, batch_size: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+    stop = batch_size if stop is None else stop
+    if step < 0 or not 0 <= start <= stop <= batch_size:
+      raise ValueError(f"bad rows request: step={step}, rows [{start}, {stop}) of a batch of {batch_size}")
+    inputs = np.empty((stop - start, self.seq_len), np.int32)
+    targets = np.empty((stop - start, self.seq_len), np.int32)
+    for row in range(start, stop):
+      inputs[row - start], targets[row - start] = self.pair(self.sequence_index(step * batch_size + row))
+    return {"inputs": inputs, "targets": targets}
+
+
+def _text(value) -> str:
+  """A text feature's value as str (bytes from array_record files, str under TFDS mocks)."""
+  if isinstance(value, np.ndarray):
+    value = value.item()
+  return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def make_source(cfg, split: str, shuffle: bool, tok) -> SftSource:
+  """The prompt/completion source for `split` of cfg.data.name (python_stdlib_sft is built on first use)."""
+  data = cfg.data
+  if data.name == NAME:
+    build(data.data_dir)
+  ds = pipeline._open_tfds(data.name, split, data.data_dir)  # pylint: disable=protected-access
+  features = dict(ds.dataset_info.features.items())
+  for key, value in (("data.prompt_key", data.prompt_key), ("data.completion_key", data.completion_key)):
+    if value not in features:
+      raise UserError(f"dataset {data.name!r} has no feature {key}={value!r} for data.format=prompt_completion; "
+                      f"its features are: {', '.join(features) or 'none'}")
+  return SftSource(ds, tok=tok, prompt_key=data.prompt_key, completion_key=data.completion_key, seq_len=cfg.seq_len,
+                   seed=cfg.seed, name=data.name, split=split, shuffle=shuffle)

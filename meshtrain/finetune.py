@@ -1,0 +1,118 @@
+"""`--config.init_from`: the parameters a fine-tuning run starts from.
+
+A fine-tuning run takes only the parameters of another run (or of a converted Hugging Face model) and starts
+its own history: step 0, a fresh optimizer state, its own data, schedule and workdir. The parameters are read
+straight into this run's shardings (`checkpoint.load_params`), so the source may have been trained on any mesh.
+
+  PATH                      a workdir: its newest complete checkpoint
+  PATH/checkpoints/N        that workdir's step N
+"""
+import dataclasses
+import pathlib
+
+from meshtrain import checkpoint, config as config_lib
+from meshtrain.errors import UserError
+
+# Model fields that decide what the loaded parameters compute: a different value would fine-tune another function
+# of the same numbers (a rotary base, the fan_in scaling folded into the forward pass), silently. param_dtype is
+# not among them: the parameters are cast to this run's storage dtype (bfloat16 weights fine-tuned in float32).
+MODEL_FIELDS = tuple(f for f in config_lib.SHAPE_FIELDS if f != "param_dtype") + ("init", "rope_theta", "norm_eps",
+                                                                                  "experts_per_token")
+HOW = ("point --config.init_from at a meshtrain workdir (its newest checkpoint), at WORKDIR/checkpoints/N for step N, "
+       "or at a converted Hugging Face model (python -m meshtrain.convert from-hf HF_DIR --workdir W)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  workdir: pathlib.Path
+  step: int
+  meta: dict  # the checkpoint's meta item: its config, params_only for a converted model, its tokenizer
+
+  def describe(self) -> dict:
+    """What this run's checkpoints record about where its parameters came from."""
+    return {"workdir": str(self.workdir), "step": self.step, "params_only": bool(self.meta.get("params_only"))}
+
+  @property
+  def model(self) -> dict:
+    return self.meta.get("config", {}).get("model", {})
+
+
+def resolve(cfg) -> Source:
+  """The checkpoint cfg.init_from names, with its model fields checked against this run's (UserError otherwise)."""
+  spec = cfg.init_from
+  path, step = pathlib.Path(spec).expanduser().absolute(), None
+  if path.parent.name == "checkpoints" and path.name.isdigit():  # WORKDIR/checkpoints/N: the workdir's steps are named
+    path, step = path.parent.parent, int(path.name)
+  if not path.exists():
+    raise UserError(f"init_from={spec!r} does not exist; {HOW}")
+  if not path.is_dir():
+    raise UserError(f"init_from={spec!r} is a file, not a directory; {HOW}")
+  steps = checkpoint.checkpoint_steps(path)
+  if not steps:
+    raise UserError(f"init_from={spec!r} holds no complete checkpoint (nothing under {path / 'checkpoints'}); {HOW}")
+  if step is not None and step not in steps:
+    raise UserError(f"init_from={spec!r}: {path} has no complete checkpoint at step {step}; it has steps "
+                    f"{', '.join(map(str, steps))}")
+  step = steps[-1] if step is None else step
+  source = Source(path, step, _read_meta(path, step))
+  check_model(source, cfg.model)
+  return source
+
+
+def _read_meta(workdir: pathlib.Path, step: int) -> dict:
+  """The meta item of the step, read before any parameter so that a mismatch costs no restore (load_params
+  verifies its checksum when it reads the parameters)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(workdir / "checkpoints" / str(step) / "meta")
+  if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+    raise UserError(f"the checkpoint at step {step} in {workdir} has no readable config in its meta item, so its "
+                    f"model is unknown; {HOW}")
+  meta.pop(checkpoint.INTEGRITY_KEY, None)
+  return meta
+
+
+def check_model(source: Source, model_cfg) -> None:
+  """Every MODEL_FIELDS value of the source's model equals this run's; else UserError naming each, with the flags
+  that match the source. Fields the source's config lacks (written before they existed) are not compared."""
+  diffs = [(k, source.model[k], model_cfg[k]) for k in MODEL_FIELDS
+           if k in source.model and source.model[k] != model_cfg[k]]
+  if diffs:
+    flags = " ".join(f"--config.model.{k}={_flag_value(old)}" for k, old, _ in diffs)
+    raise UserError(f"init_from={str(source.workdir)!r} (step {source.step}) is another model: "
+                    + "; ".join(f"model.{k}: init_from {old!r}, this run {new!r}" for k, old, new in diffs)
+                    + f". Fine-tune it with its own model settings: {flags}")
+
+
+def check_tokenizer(source: Source, tok, spec: str) -> None:
+  """The source was trained with `tok` (by its file's fingerprint, as a resume is checked): with another tokenizer
+  the same ids would stand for other text. A source recorded before tokenizers were is bytes."""
+  trained_with = source.meta.get("tokenizer") or {"kind": "byte", "fingerprint": "byte"}
+  if trained_with.get("fingerprint") != tok.fingerprint:
+    copy = source.workdir / "tokenizer"
+    raise UserError(f"init_from={str(source.workdir)!r} was trained with the {trained_with.get('kind')} tokenizer "
+                    f"{str(trained_with.get('fingerprint'))[:12]}, this run has the {tok.kind} tokenizer "
+                    f"{tok.fingerprint[:12]} (data.tokenizer={spec!r}); fine-tune with "
+                    + (f"--config.data.tokenizer={copy} (its copy)" if trained_with.get("kind") != "byte"
+                       else "--config.data.tokenizer=byte"))
+
+
+def _flag_value(value) -> str:
+  return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def initial_state(layout, source: Source):
+  """The TrainState a fine-tuning run starts from: the source's parameters in this run's shardings (and
+  param_dtype), a fresh optimizer state, step 0."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from meshtrain import step as step_lib  # pylint: disable=g-import-not-at-top
+
+  params, _ = checkpoint.load_params(source.workdir, source.step, shardings=layout.state_sharding.params)
+  dtypes = jax.tree.map(lambda a: a.dtype, layout.state_abstract.params)
+
+  def fresh(params):
+    params = jax.tree.map(lambda p, dtype: p.astype(dtype), params, dtypes)
+    return step_lib.TrainState.create(params, layout.tx.init(params))
+
+  with layout.context():
+    # Donated: the loaded arrays become the state's, so the parameters are never held twice.
+    return jax.jit(fresh, out_shardings=layout.state_sharding, donate_argnums=0)(params)
