@@ -100,11 +100,14 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
 
   # --- Data, layout and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
   # The data first: a split too short for seq_len is named as such, before any model-sized buffer exists.
+  # The tokenizer before the data (a bpe:N one is trained here on first use), and the model checked against it.
   tok = data.tokenizer.for_config(cfg)
   if init is not None:
     finetune.check_tokenizer(init, tok, cfg.data.tokenizer)
-  train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
-  eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False) if cfg.eval_every else None
+  if cfg.data.name != "synthetic" or tok.kind != "byte":  # synthetic tokens are drawn below model.vocab_size
+    data.pipeline.check_vocab(cfg, tok)
+  train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True, tok=tok)
+  eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False, tok=tok) if cfg.eval_every else None
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh)
   log(f"mesh: {mesh_lib.describe(mesh)}; sharding rules: {cfg.sharding.rules}")
@@ -122,6 +125,15 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
       raise UserError(f"{workdir} holds converted parameters (no optimizer state or data position to resume); use "
                       f"--config.init_from={workdir} with a new --workdir to fine-tune them")
     checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, step, ckpt.directory)
+    # By the file's fingerprint, not data.tokenizer's string: a moved copy is the same tokenizer. Checkpoints from
+    # before tokenizers were recorded are bytes. Refused even with allow_data_change: the ids would mean other text.
+    trained_with = meta.get("tokenizer") or {"kind": "byte", "fingerprint": "byte"}
+    if trained_with["fingerprint"] != tok.fingerprint:
+      raise UserError(f"the checkpoint at step {step} in {ckpt.directory} was trained with the {trained_with['kind']} "
+                      f"tokenizer {trained_with['fingerprint'][:12]}, this run has the {tok.kind} tokenizer "
+                      f"{tok.fingerprint[:12]} (data.tokenizer={cfg.data.tokenizer!r}); resume with "
+                      f"--config.data.tokenizer={workdir / data.tokenizer.WORKDIR_SUBDIR} (the run's copy), or "
+                      "start a new workdir")
     if meta.get("layer_order", "sequential") != layout.layer_order:
       raise UserError(f"the checkpoint at step {step} in {ckpt.directory} stores its layers in {meta['layer_order']} "
                       f"order, this run in {layout.layer_order} order; use its pipeline settings to resume")
@@ -149,6 +161,8 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
   if is_main:  # written whole or not at all: a signal during start-up ends the process wherever it is
     (workdir / "config.json.tmp").write_text(json.dumps(cfg.to_dict(), indent=2))
     (workdir / "config.json.tmp").replace(workdir / "config.json")
+    # WORKDIR/tokenizer/: generate, export and resume find the run's tokenizer here without a flag.
+    data.tokenizer.save_to_workdir(tok, workdir)
 
   # The train step, the eval step and the initial state are compiled on two threads: XLA compiles without holding
   # the GIL, so start-up waits for the longest compile rather than the sum, and the main thread only waits on
@@ -198,6 +212,7 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     ckpt.save(at_step, state, {"config": cfg.to_dict(), "layer_order": layout.layer_order,
                                "data": {"next_step": at_step, "seed": cfg.seed, "batch_size": cfg.batch_size,
                                         "name": cfg.data.name},
+                               "tokenizer": tok.describe(),
                                **({"init_from": init_record} if init_record else {})})
 
   seen_nonfinite = int(jax.device_get(state.nonfinite_steps))
@@ -211,7 +226,7 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
 
   # --- The loop. The host only waits for the device when metrics are due, and then for the previous step. ---
   writer = MetricsWriter(workdir, cfg.steps, start, enabled=is_main)
-  batches = data.Prefetcher(train_src, start, cfg.batch_size, layout.batch_sharding)
+  batches = data.Batches(train_src, start, cfg.batch_size, layout.batch_sharding)
   watchdog = Watchdog(cfg.watchdog_s, workdir, jax.process_index())
   profiler = StepProfiler(cfg.profile_steps, workdir, enabled=is_main)
   pending = None                                  # (step, metrics on device) to fetch after the next dispatch

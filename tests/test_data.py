@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import tensorflow_datasets as tfds
 from meshtrain.config import base_config
-from meshtrain.data import (BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Prefetcher, decode, encode, global_batch,
+from meshtrain.data import (BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Batches, decode, encode, global_batch,
                             make_source, pipeline, process_rows, stdlib_corpus)
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
@@ -169,14 +169,21 @@ def test_global_batch_matches_rows(stdlib_dir):
       assert (np.asarray(batch[key]) == expected[key]).all()
 
 
-def test_prefetcher(stdlib_dir):
+@pytest.mark.parametrize("grain_installed", [True, False], ids=["grain", "no_grain"])
+def test_batches(stdlib_dir, monkeypatch, grain_installed):
   src = make_source(make_cfg(stdlib_dir, seq_len=32), "train", shuffle=True)
+  if not grain_installed:  # the GPU machines (synthetic data, no grain): one thread prefetches instead
+    monkeypatch.setitem(sys.modules, "grain", None)
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
-  with Prefetcher(src, 5, 8, sharding, depth=2) as batches:
-    for expected_step, (step, batch) in zip(range(5, 9), batches):
+  # Resuming at step 5 needs no iterator state: the batches from there are those of an uninterrupted run.
+  with Batches(src, 5, 8, sharding) as batches:
+    assert (batches._iterator is None) != grain_installed  # pylint: disable=protected-access
+    for expected_step, (step, batch) in zip(range(5, 12), batches):
       assert step == expected_step
-      assert (np.asarray(batch["inputs"]) == src.rows(step, 8)["inputs"]).all()
+      assert batch["inputs"].sharding == sharding
+      for key in ("inputs", "targets"):
+        assert (np.asarray(batch[key]) == src.rows(step, 8)[key]).all()
 
   class Broken(pipeline.SyntheticSource):
     def rows(self, step, *args):
@@ -185,11 +192,11 @@ def test_prefetcher(stdlib_dir):
       return super().rows(step, *args)
 
   broken = Broken(0, "train", 32, 300)
-  prefetcher = Prefetcher(broken, 0, 8, sharding)
-  assert [step for step, _ in (next(prefetcher), next(prefetcher))] == [0, 1]
+  batches = Batches(broken, 0, 8, sharding)
+  assert [step for step, _ in (next(batches), next(batches))] == [0, 1]
   with pytest.raises(ValueError, match="disk on fire"):
-    next(prefetcher)
-  prefetcher.close()
+    next(batches)
+  batches.close()
 
 
 # --- other datasets ----------------------------------------------------------------------------------------------
@@ -250,7 +257,7 @@ def test_split_smaller_than_one_sequence(stdlib_dir):
 
 
 def test_vocab_too_small_for_bytes(stdlib_dir):
-  with pytest.raises(UserError, match="vocab_size=256.*259"):
+  with pytest.raises(UserError, match="model.vocab_size=256 is smaller than the vocabulary of the byte tokenizer, which has 259 ids"):
     make_source(make_cfg(stdlib_dir, model__vocab_size=256), "train", shuffle=True)
 
 

@@ -10,17 +10,29 @@ grain `MapDataset`s. Documents are packed into one stream (tokens, EOS, tokens, 
 stream[i*L : i*L + L + 1]. Only the per-document token offsets are kept in memory (and cached on disk), and a
 sequence reads just the documents it overlaps.
 
-tensorflow_datasets and grain are imported only when a TFDS source is made, so `synthetic` runs where they
-are not installed (the GPU machines).
+With the byte tokenizer a document's tokens are its bytes, read from the dataset on demand. Any other tokenizer
+is run once over the split (grain threads reading, the tokenizer's own threads encoding) and its token stream
+cached on disk beside the offsets, keyed by the tokenizer's fingerprint: a long document spans many sequences
+that a shuffled order visits at random, and tokenizing it again for each of them would cost far more than the
+copy a memory-mapped cache needs (measured in README, "Tokenizers").
+
+`Batches` is the train loop's input: grain reads the batches of the steps ahead on worker threads (each one the
+source's `rows` for this process, a pure function of the step) and a grain prefetch thread moves them onto the
+devices, so loading and host-to-device transfer overlap the training step.
+
+tensorflow_datasets and grain are imported only when a TFDS source is made or batches are iterated, so
+`synthetic` runs where they are not installed (the GPU machines; there one background thread prefetches).
 """
+import concurrent.futures
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import pathlib
-import queue
 import re
-import threading
+import sys
 import time
 
 import jax
@@ -36,6 +48,13 @@ STDLIB = "python_stdlib"
 SYNTHETIC = "synthetic"
 # Bump when the packing/tokenization changes, so cached offsets from older code are not reused.
 INDEX_FORMAT = 1
+# Token streams of non-byte tokenizers: documents encoded per batch (the tokenizer's threads share a batch).
+ENCODE_BATCH = 256
+# Batches: grain worker threads building the next steps' rows, and how many batches they may hold ready. Two of
+# each keep a step's worth of rows in hand with room to spare (the BPE path builds a tiny-model batch in well under
+# a millisecond, README "Tokenizers") without taking cores from XLA on small hosts.
+READ_THREADS = 2
+READ_AHEAD = 2
 # grain's index_shuffle walks cycles over a fixed-size domain, so its cost grows like 1/n for small n
 # (measured: ~3 us per index at n=65536, 3 ms at n=10, 13 ms at n=2). Below this size a materialised
 # numpy permutation per epoch is both cheap in memory and fast.
@@ -127,8 +146,18 @@ class _DocumentLength:
     return len(_text_bytes(record[self.text_key]))
 
 
+class _DocumentText:
+  """A record's text as str, for tokenizers; a class so the grain map stays picklable."""
+
+  def __init__(self, text_key):
+    self.text_key = text_key
+
+  def __call__(self, record) -> str:
+    return _text_bytes(record[self.text_key]).decode("utf-8")
+
+
 class _DocumentTokens:
-  """A record's tokens followed by EOS, as uint16."""
+  """A record's byte tokens followed by EOS, as uint16."""
 
   def __init__(self, text_key):
     self.text_key = text_key
@@ -145,13 +174,18 @@ class TfdsSource(Source):
   """Documents of one TFDS split packed into sequences, read by random access."""
 
   def __init__(self, data_source, *, name: str, split: str, text_key: str, seq_len: int, seed: int,
-               shuffle: bool, index_dir: pathlib.Path | None):
+               shuffle: bool, index_dir: pathlib.Path | None, tok: tokenizer.Tokenizer | None = None):
     import grain  # pylint: disable=g-import-not-at-top
 
     self.name, self.split, self.text_key, self.seq_len, self.shuffle = name, split, text_key, seq_len, shuffle
-    self._docs = grain.MapDataset.source(data_source).map(_DocumentTokens(text_key))
+    self.tok = tok or tokenizer.ByteTokenizer()
+    self.pad_id = self.tok.pad_id
     self._index_path = self._index_file(index_dir, data_source) if index_dir is not None else None
-    self.offsets = self._load_or_build_offsets(grain.MapDataset.source(data_source).map(_DocumentLength(text_key)))
+    if self.tok.kind == tokenizer.BYTE:
+      self._docs = grain.MapDataset.source(data_source).map(_DocumentTokens(text_key))
+      self.offsets = self._load_or_build_offsets(grain.MapDataset.source(data_source).map(_DocumentLength(text_key)))
+    else:
+      self.offsets, self._docs = self._load_or_build_tokens(data_source)
     self.num_documents = len(self.offsets) - 1
     self.num_tokens = int(self.offsets[-1])
     if self.num_tokens < seq_len + 1:
@@ -180,8 +214,69 @@ class TfdsSource(Source):
     # The full name carries config and data version; the split may be a slice like "train[:10%]".
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.split)
     key = hashlib.sha256(f"{self.split}\0{self.text_key}".encode()).hexdigest()[:10]
+    # Byte offsets keep their name of old (the caches already built stay valid); other tokenizers' streams are
+    # keyed by the tokenizer file's fingerprint.
+    tok_key = "" if self.tok.kind == tokenizer.BYTE else f".tok-{self.tok.fingerprint[:16]}"
     return (index_dir / "meshtrain_index" / info.full_name.replace("/", "__") /
-            f"{slug}-{key}.v{INDEX_FORMAT}.offsets.npy")
+            f"{slug}-{key}{tok_key}.v{INDEX_FORMAT}.offsets.npy")
+
+  def _load_or_build_tokens(self, data_source) -> tuple[np.ndarray, "np.ndarray | _EncodedDocuments"]:
+    """(offsets, documents) for a non-byte tokenizer: the split's token stream, from the cache or encoded now."""
+    count = len(data_source)
+    path = self._index_path
+    if path is None:  # no files to cache beside (a TFDS mock): encode on demand, offsets from one pass
+      docs = _EncodedDocuments(data_source, self.text_key, self.tok)
+      sizes = np.array([0] + [len(docs[i]) for i in range(count)], np.int64)
+      return np.cumsum(sizes), docs
+    tokens_path = path.with_name(path.name.replace(".offsets.npy", ".tokens.bin"))
+    dtype = np.dtype(self.tok.token_dtype)
+    loaded = _load_token_cache(path, tokens_path, count, dtype)
+    if loaded is not None:
+      return loaded
+    with _file_lock(path.with_name(f".{path.name}.lock")):
+      loaded = _load_token_cache(path, tokens_path, count, dtype)  # another process may have built it meanwhile
+      if loaded is not None:
+        return loaded
+      self._encode_split(data_source, path, tokens_path, dtype)
+    loaded = _load_token_cache(path, tokens_path, count, dtype)
+    if loaded is None:
+      raise RuntimeError(f"the token cache {tokens_path} just written does not read back")
+    return loaded
+
+  def _encode_split(self, data_source, path: pathlib.Path, tokens_path: pathlib.Path, dtype) -> None:
+    """Tokenizes every document (grain threads read and decode records; the tokenizer encodes a batch of them on
+    its own threads) into tokens_path, then the offsets into `path`: both written aside and renamed."""
+    import grain  # pylint: disable=g-import-not-at-top
+
+    count = len(data_source)
+    texts = (grain.MapDataset.source(data_source).map(_DocumentText(self.text_key)).batch(ENCODE_BATCH,
+             batch_fn=list).to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_tokens = tokens_path.with_name(f"{tokens_path.name}.tmp{os.getpid()}")
+    sizes = np.zeros(count + 1, np.int64)
+    t0 = report = time.perf_counter()
+    done = 0
+    eos = np.array([self.tok.eos_id], dtype)
+    with open(tmp_tokens, "wb") as f:
+      for batch in texts:
+        for ids in self.tok.encode_batch(batch):
+          f.write(ids.astype(dtype).tobytes())
+          f.write(eos.tobytes())
+          done += 1
+          sizes[done] = len(ids) + 1
+        if time.perf_counter() - report > 10:
+          report = time.perf_counter()
+          log.info("tokenizing %s/%s: %d of %d documents", self.name, self.split, done, count)
+    offsets = np.cumsum(sizes)
+    seconds = time.perf_counter() - t0
+    self.encode_seconds = seconds
+    log.info("tokenized %d documents of %s/%s into %d tokens in %.1fs (%.0f tokens/s)", count, self.name, self.split,
+             offsets[-1], seconds, offsets[-1] / max(seconds, 1e-9))
+    os.replace(tmp_tokens, tokens_path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+      np.save(f, offsets)
+    os.replace(tmp, path)  # last: offsets present means the tokens beside them are whole
 
   def _load_or_build_offsets(self, lengths) -> np.ndarray:
     count = len(lengths)
@@ -219,6 +314,8 @@ class TfdsSource(Source):
   # --- packing -------------------------------------------------------------------------------------------
 
   def _read_document(self, doc: int) -> np.ndarray:
+    if isinstance(self._docs, np.ndarray):  # a memory-mapped token stream: a view, no copy
+      return self._docs[self.offsets[doc]:self.offsets[doc + 1]]
     tokens = self._docs[doc]
     if len(tokens) != self.offsets[doc + 1] - self.offsets[doc]:
       raise RuntimeError(
@@ -257,31 +354,110 @@ def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(n)
 
 
+class _EncodedDocuments:
+  """doc -> its tokens and EOS, encoded on demand (sources without files to cache a stream beside)."""
+
+  def __init__(self, data_source, text_key: str, tok):
+    self._source, self._text, self._tok = data_source, _DocumentText(text_key), tok
+
+  def __getitem__(self, doc: int) -> np.ndarray:
+    return np.append(self._tok.encode(self._text(self._source[doc])), self._tok.eos_id).astype(np.int32)
+
+
+def _load_token_cache(offsets_path, tokens_path, count: int, dtype):
+  """(offsets, memory-mapped tokens) if both files exist and agree with each other and the split, else None."""
+  if not offsets_path.exists() or not tokens_path.exists():
+    return None
+  try:
+    offsets = np.load(offsets_path)
+    size = tokens_path.stat().st_size
+    if offsets.shape == (count + 1,) and offsets[0] == 0 and size == offsets[-1] * dtype.itemsize:
+      return offsets, np.memmap(tokens_path, dtype=dtype, mode="r")
+    log.warning("ignoring token cache %s: it does not match the %d documents of the split", tokens_path, count)
+  except (OSError, ValueError) as e:
+    log.warning("ignoring unreadable token cache %s: %s", tokens_path, e)
+  return None
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+  """An exclusive flock on `path`: one process on a host (or a file system with locks) builds a cache at a time."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 # --- making sources ------------------------------------------------------------------------------------------
 
 
-def make_source(cfg, split: str, shuffle: bool) -> Source:
-  """The source for `split` of `cfg.data.name`; shuffle=True: a new permutation each epoch, else plain order."""
+def check_vocab(cfg, tok: tokenizer.Tokenizer) -> None:
+  """Refuses a model whose embedding cannot hold every id `tok` emits."""
+  if cfg.model.vocab_size < tok.vocab_size:
+    where = f" ({tok.path})" if tok.path else ""
+    raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of the {tok.kind} "
+                    f"tokenizer{where}, which has {tok.vocab_size} ids; set --config.model.vocab_size="
+                    f"{tok.vocab_size} or more" + (f" (or data.name={SYNTHETIC} for random tokens)"
+                                                   if tok.kind == tokenizer.BYTE else ""))
+
+
+def make_source(cfg, split: str, shuffle: bool, tok: tokenizer.Tokenizer | None = None) -> Source:
+  """The source for `split` of `cfg.data.name`; shuffle=True: a new permutation each epoch, else plain order.
+
+  `tok`: the tokenizer (default: the one cfg.data.tokenizer names, trained first if it is bpe:N).
+  """
   data, name = cfg.data, cfg.data.name
   if cfg.seq_len <= 0:
     raise UserError(f"seq_len must be positive, got {cfg.seq_len}")
   if name == SYNTHETIC:
     return SyntheticSource(cfg.seed, split, cfg.seq_len, cfg.model.vocab_size)
-  if cfg.model.vocab_size < tokenizer.VOCAB_SIZE:
-    raise UserError(f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer, which uses ids "
-                    f"up to {tokenizer.VOCAB_SIZE - 1}; set model.vocab_size >= {tokenizer.VOCAB_SIZE} "
-                    f"(or data.name={SYNTHETIC} for random tokens)")
+  tok = tok or tokenizer.for_config(cfg)
+  check_vocab(cfg, tok)
   if data.format == "prompt_completion":  # one prompt/completion example per row: meshtrain/data/sft.py
     from meshtrain.data import sft  # pylint: disable=g-import-not-at-top
-    return sft.make_source(cfg, split, shuffle, tokenizer.for_config(cfg))
+    return sft.make_source(cfg, split, shuffle, tok)
+  ds = open_split(cfg, split)
+  return TfdsSource(ds, name=name, split=split, text_key=data.text_key, seq_len=cfg.seq_len, seed=cfg.seed,
+                    shuffle=shuffle, index_dir=_index_dir(ds), tok=tok)
+
+
+def open_split(cfg, split: str):
+  """The TFDS data source of `split` of cfg.data.name (python_stdlib built first if needed), its text feature
+  checked."""
+  data, name = cfg.data, cfg.data.name
   if name == STDLIB:
     from meshtrain.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
     stdlib_corpus.build(data.data_dir)
   ds = _open_tfds(name, split, data.data_dir)
-  features = ds.dataset_info.features
-  _check_text_feature(name, features, data.text_key)
-  return TfdsSource(ds, name=name, split=split, text_key=data.text_key, seq_len=cfg.seq_len, seed=cfg.seed,
-                    shuffle=shuffle, index_dir=_index_dir(ds))
+  _check_text_feature(name, ds.dataset_info.features, data.text_key)
+  return ds
+
+
+class _Texts:
+  """The documents of a data source as str, iterable more than once (the BPE trainer takes an iterator)."""
+
+  def __init__(self, data_source, text_key: str):
+    self._source, self._text = data_source, _DocumentText(text_key)
+
+  def __len__(self):
+    return len(self._source)
+
+  def __iter__(self):
+    import grain  # pylint: disable=g-import-not-at-top
+    # Records are read and decoded on grain's threads while the trainer counts words.
+    return iter(grain.MapDataset.source(self._source).map(self._text).to_iter_dataset(
+        grain.ReadOptions(num_threads=4, prefetch_buffer_size=256)))
+
+
+def train_texts(cfg):
+  """(texts, dataset info, cache root) of cfg's train split: what `tokenizer.for_config` trains a bpe:N on, and
+  the TFDS data dir it caches the result under (the user's cache dir where the data has no files, e.g. mocks)."""
+  ds = open_split(cfg, cfg.data.train_split)
+  root = _index_dir(ds) or pathlib.Path("~/.cache/meshtrain").expanduser()
+  return _Texts(ds, cfg.data.text_key), ds.dataset_info, root
 
 
 def _where(data_dir: str) -> str:
@@ -412,72 +588,105 @@ def global_batch(src: Source, step: int, batch_size: int, sharding) -> dict[str,
   return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}
 
 
-class _Failure:
-  def __init__(self, error):
-    self.error = error
+class _StepRows:
+  """step -> (step, this process's rows of the global batch at that step): the grain map, a class so it pickles."""
+
+  def __init__(self, src: Source, batch_size: int, start: int, stop: int):
+    self.src, self.batch_size, self.start, self.stop = src, batch_size, start, stop
+
+  def __call__(self, step: int):
+    return step, self.src.rows(step, self.batch_size, self.start, self.stop)
 
 
-class Prefetcher:
-  """Iterates (step, batch) from `start_step` on, preparing the next `depth` batches on a background thread.
+class _ToDevices:
+  """(step, local rows) -> (step, global arrays laid out by `sharding`)."""
 
-  Loading and host-to-device transfer overlap the training step. An exception on the thread is re-raised by
-  the next `next()`. Call `close()` (or use `with`) to stop the thread.
+  def __init__(self, sharding, shape):
+    self.sharding, self.shape = sharding, shape
+
+  def __call__(self, item):
+    step, local = item
+    return step, {k: jax.make_array_from_process_local_data(self.sharding, v, self.shape) for k, v in local.items()}
+
+
+class Batches:
+  """Iterates (step, batch) from `start_step` on: the train loop's input.
+
+  A grain pipeline: the step indices from `start_step` (a MapDataset, so resuming at step k needs no iterator
+  state), mapped to this process's rows of each step's global batch on `threads` worker threads that keep
+  `read_ahead` batches ready, then moved onto the devices on grain's prefetch thread, so loading and transfer
+  overlap the training step. Batch k is the source's pure function of (seed, k) whatever the thread timing. An
+  exception while loading is raised by the `next()` that would have returned that batch. Call `close()` (or use
+  `with`) to stop the threads. Where grain is not installed (synthetic data on the GPU machines) one thread
+  prefetches instead.
   """
 
-  def __init__(self, src: Source, start_step: int, batch_size: int, sharding, depth: int = 2):
-    if depth < 1:
-      raise ValueError(f"depth must be >= 1, got {depth}")
-    self._src, self._batch_size, self._sharding = src, batch_size, sharding
-    self._ready = queue.Queue()
-    # A slot is taken before a batch is built and returned when it is consumed: at most `depth` exist ahead.
-    self._slots = threading.Semaphore(depth)
-    self._stop = threading.Event()
-    self._failure = None
-    self._thread = threading.Thread(target=self._run, args=(start_step,), name="meshtrain-prefetch", daemon=True)
-    self._thread.start()
-
-  def _run(self, step):
+  def __init__(self, src: Source, start_step: int, batch_size: int, sharding, *, threads: int = READ_THREADS,
+               read_ahead: int = READ_AHEAD):
+    if threads < 1 or read_ahead < 1:
+      raise ValueError(f"threads and read_ahead must be >= 1, got {threads} and {read_ahead}")
+    shape = (batch_size, src.seq_len)
+    start, stop = _process_rows(sharding, shape)
+    rows, to_devices = _StepRows(src, batch_size, start, stop), _ToDevices(sharding, shape)
     try:
-      while True:
-        while not self._slots.acquire(timeout=0.1):
-          if self._stop.is_set():
-            return
-        if self._stop.is_set():
-          return
-        self._ready.put((step, global_batch(self._src, step, self._batch_size, self._sharding)))
-        step += 1
-    except BaseException as e:  # pylint: disable=broad-except
-      self._ready.put(_Failure(e))
+      import grain  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      self._fallback = _ThreadBatches(start_step, lambda step: to_devices(rows(step)), read_ahead)
+      self._iterator = None
+      return
+    self._fallback = None
+    steps = grain.MapDataset.range(start_step, sys.maxsize).map(rows)
+    local = steps.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=read_ahead))
+    on_devices = grain.experimental.ThreadPrefetchIterDataset(local.map(to_devices), prefetch_buffer_size=1)
+    self._iterator = iter(on_devices)
 
   def __iter__(self):
     return self
 
   def __next__(self):
-    if self._failure is not None:
-      raise self._failure
-    while True:
-      if self._stop.is_set():
-        raise StopIteration
-      try:
-        item = self._ready.get(timeout=0.1)
-        break
-      except queue.Empty:
-        if not self._thread.is_alive() and self._ready.empty():
-          raise RuntimeError("the prefetch thread stopped without a result")  # pylint: disable=raise-missing-from
-    if isinstance(item, _Failure):
-      self._failure = item.error
-      raise item.error
-    self._slots.release()
-    return item
+    if self._fallback is not None:
+      return next(self._fallback)
+    if self._iterator is None:
+      raise StopIteration
+    return next(self._iterator)
 
   def close(self) -> None:
-    self._stop.set()
-    self._thread.join(timeout=30)
-    while not self._ready.empty():
-      self._ready.get_nowait()
+    if self._fallback is not None:
+      self._fallback.close()
+    if self._iterator is not None:
+      self._iterator.close()
+      self._iterator = None
 
   def __enter__(self):
     return self
 
   def __exit__(self, *exc):
     self.close()
+
+
+class _ThreadBatches:
+  """`load(step)` for step = start, start + 1, ..., `depth` of them ahead on one thread (no grain installed)."""
+
+  def __init__(self, start_step: int, load, depth: int):
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshtrain-batches")
+    self._load, self._next_step = load, start_step
+    self._pending = [self._submit() for _ in range(depth)]
+
+  def _submit(self):
+    future = self._pool.submit(self._load, self._next_step)
+    self._next_step += 1
+    return future
+
+  def __next__(self):
+    if not self._pending:
+      raise StopIteration
+    future = self._pending.pop(0)
+    item = future.result()  # re-raises what loading this step raised
+    self._pending.append(self._submit())
+    return item
+
+  def close(self) -> None:
+    for future in self._pending:
+      future.cancel()
+    self._pending = []
+    self._pool.shutdown(wait=True)
