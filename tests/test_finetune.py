@@ -51,7 +51,7 @@ def test_masked_targets_contribute_exactly_zero_gradient():
   jax.tree.map(np.testing.assert_array_equal, grads_other, grads)
 
   # The loss is the mean cross-entropy over the completion targets alone, computed here by hand.
-  logits = np.asarray(jax.device_get(layout.model.apply({"params": params}, batch["inputs"])), np.float64)
+  logits = np.asarray(jax.device_get(jax.jit(layout.model.apply)({"params": params}, batch["inputs"])), np.float64)
   logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
       - logits.max(-1, keepdims=True)
   picked = np.take_along_axis(logp, np.maximum(batch["targets"], 0)[..., None], -1)[..., 0]
@@ -197,11 +197,15 @@ def test_init_from_starts_at_step_0_with_the_params_and_a_fresh_optimizer(source
 def test_converted_params_only_workdir(source, tmp_path, capsys):
   # What python -m meshtrain.convert from-hf writes: params only, at step 0, meta "params_only".
   params, meta = checkpoint.load_params(source)
+
+  def convert(workdir, **extra_meta):
+    ckpt = checkpoint.Checkpointer(workdir, keep=1)
+    ckpt.save(0, {"params": params}, {"config": meta["config"], "params_only": True, "source": "test", **extra_meta})
+    ckpt.wait()
+    ckpt.close()
+
   converted = tmp_path / "converted"
-  ckpt = checkpoint.Checkpointer(converted, keep=1)
-  ckpt.save(0, {"params": params}, {"config": meta["config"], "params_only": True, "source": "test"})
-  ckpt.wait()
-  ckpt.close()
+  convert(converted)
   capsys.readouterr()
   # Training in it is refused: there is nothing to resume.
   assert run(converted, "--config.steps=2") == 2
@@ -214,6 +218,13 @@ def test_converted_params_only_workdir(source, tmp_path, capsys):
   state, meta = restore_state(tune, 1, "--config.steps=1")
   jax.tree.map(np.testing.assert_array_equal, state.params, params)
   assert meta["init_from"] == {"workdir": str(converted), "step": 0, "params_only": True}
+  # A model trained with another tokenizer: its ids mean other text, so this run must use its tokenizer.
+  convert(tmp_path / "other_tokenizer", tokenizer={"kind": "hf", "fingerprint": "f" * 64})
+  capsys.readouterr()
+  assert run(tmp_path / "tune2", "--config.steps=1", f"--config.init_from={tmp_path / 'other_tokenizer'}") == 2
+  err = capsys.readouterr().err
+  assert "was trained with the hf tokenizer ffffffffffff" in err and len(err.splitlines()) == 1
+  assert f"--config.data.tokenizer={tmp_path / 'other_tokenizer' / 'tokenizer'}" in err
 
 
 @pytest.mark.parametrize("init_from, extra, fragments", [
