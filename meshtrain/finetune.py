@@ -55,7 +55,7 @@ def resolve(cfg) -> Source:
                     f"{', '.join(map(str, steps))}")
   step = steps[-1] if step is None else step
   source = Source(path, step, _read_meta(path, step))
-  check_model(source, cfg.model)
+  check_model(source, cfg)
   return source
 
 
@@ -71,13 +71,16 @@ def _read_meta(workdir: pathlib.Path, step: int) -> dict:
   return meta
 
 
-def check_model(source: Source, model_cfg) -> None:
+def check_model(source: Source, cfg) -> None:
   """Every MODEL_FIELDS value of the source's model equals this run's; else UserError naming each, with the flags
   that match the source. Fields the source's config lacks (written before they existed) are not compared."""
-  diffs = [(k, source.model[k], model_cfg[k]) for k in MODEL_FIELDS
-           if k in source.model and source.model[k] != model_cfg[k]]
+  diffs = [(k, source.model[k], cfg.model[k]) for k in MODEL_FIELDS
+           if k in source.model and source.model[k] != cfg.model[k]]
   if diffs:
     flags = " ".join(f"--config.model.{k}={_flag_value(old)}" for k, old, _ in diffs)
+    # A converted model also brings its tokenizer: name that flag now too, rather than in a second refusal.
+    if (source.meta.get("tokenizer") or {}).get("kind", "byte") != "byte" and cfg.data.tokenizer == "byte":
+      flags += f" --config.data.tokenizer={source.workdir / 'tokenizer'}"
     raise UserError(f"init_from={str(source.workdir)!r} (step {source.step}) is another model: "
                     + "; ".join(f"model.{k}: init_from {old!r}, this run {new!r}" for k, old, new in diffs)
                     + f". Fine-tune it with its own model settings: {flags}")

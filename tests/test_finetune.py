@@ -225,6 +225,11 @@ def test_converted_params_only_workdir(source, tmp_path, capsys):
   err = capsys.readouterr().err
   assert "was trained with the hf tokenizer ffffffffffff" in err and len(err.splitlines()) == 1
   assert f"--config.data.tokenizer={tmp_path / 'other_tokenizer' / 'tokenizer'}" in err
+  # Another model too: one refusal names every flag to add, the tokenizer's included.
+  assert run(tmp_path / "tune2", "--config.steps=1", f"--config.init_from={tmp_path / 'other_tokenizer'}",
+             "--config.model.mlp_dim=96") == 2
+  err = capsys.readouterr().err
+  assert f"--config.model.mlp_dim=128 --config.data.tokenizer={tmp_path / 'other_tokenizer' / 'tokenizer'}" in err
 
 
 @pytest.mark.parametrize("init_from, extra, fragments", [
