@@ -10,6 +10,11 @@ run's dtype and device count, so MFU compares like with like.
 `--loop N` then runs the real train loop (`meshtrain.train`: data loading, prefetch, metrics fetched one step
 late) for N steps in a temporary workdir and reports loop efficiency: the loop's wall time per step divided by
 the synchronised step time measured above. 1.00 means the host never makes the devices wait.
+
+`--data-only` times the host input pipeline alone (`data.pipeline.local_batches`: the grain pipeline the loop
+reads, whole global batches of this config, no devices) in tokens/s, and, for comparison, how fast the same
+tokenizer encodes documents on the fly; then the train step as above (no `--loop`), to print the pipeline's rate
+next to what the model consumes: `data_headroom` = pipeline tokens/s / step tokens/s.
 """
 import contextlib
 import json
@@ -91,6 +96,41 @@ def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
   }
 
 
+def data_throughput(cfg, seconds: float) -> dict:
+  """Tokens/s of the host pipeline alone (train split, shuffled, whole global batches, the loop's threads and
+  read-ahead) over about `seconds`, after one warm-up batch; and of tokenizing documents on the fly."""
+  from meshtrain.data import pipeline, tokenizer
+  t0 = time.perf_counter()
+  tok = tokenizer.for_config(cfg)
+  src = pipeline.make_source(cfg, cfg.data.train_split, shuffle=True, tok=tok)
+  setup_s = time.perf_counter() - t0
+  batches = iter(pipeline.local_batches(src, 0, cfg.batch_size, 0, cfg.batch_size))
+  next(batches)  # threads started, first documents read
+  count, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    next(batches)
+    count += 1
+  elapsed = time.perf_counter() - t0
+  batches.close()
+  result = {"data_tokens_per_sec": count * cfg.batch_size * cfg.seq_len / elapsed, "data_batches": count,
+            "data_setup_s": setup_s, "tokenizer": f"{tok.kind} ({tok.vocab_size} ids)"}
+  if isinstance(src, pipeline.TfdsSource) and src.encode_seconds is not None:
+    result["data_tokenize_split_tokens_per_sec"] = src.num_tokens / src.encode_seconds  # this run built the cache
+  if isinstance(src, pipeline.TfdsSource):
+    # Encoding documents of the split on the fly (tokenizer threads on batches of them), the alternative to the
+    # token cache: ~2 s of the split's first documents.
+    texts, n_tokens, n_bytes, t0 = iter(pipeline.train_texts(cfg)[0]), 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < min(seconds, 2.0):
+      batch = [text for _, text in zip(range(pipeline.ENCODE_BATCH), texts)]
+      if not batch:
+        break
+      n_tokens += sum(len(ids) for ids in tok.encode_batch(batch))
+      n_bytes += sum(len(text.encode()) for text in batch)
+    result["encode_on_the_fly_tokens_per_sec"] = n_tokens / (time.perf_counter() - t0)
+    result["bytes_per_token"] = n_bytes / max(n_tokens, 1)
+  return result
+
+
 def loop_efficiency(cfg, steps: int, step_s: float) -> dict:
   """Runs the train loop itself for `steps` steps and compares its wall time with `step_s` x steps."""
   from meshtrain import train
@@ -113,13 +153,24 @@ def main(argv: list[str] | None = None) -> int:
                       help="also run the train loop for N steps and report its wall time / the step time")
   parser.add_argument("--tokens", default="", metavar="FILE.npy",
                       help="train on this fixed [batch_size, seq_len + 1] token batch (a peer's synthetic batch)")
+  parser.add_argument("--data-only", action="store_true",
+                      help="time the host input pipeline alone (tokens/s), then the step it feeds, for their ratio")
+  parser.add_argument("--data-seconds", type=float, default=5.0, help="how long --data-only reads batches")
   parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
   try:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.steps < 1 or args.warmup < 0 or args.loop in (1, 2) or args.loop < 0:
-      raise UserError("--steps must be >= 1, --warmup >= 0 and --loop 0 (off) or >= 3")
+    if args.steps < 1 or args.warmup < 0 or args.loop in (1, 2) or args.loop < 0 or not args.data_seconds > 0:
+      raise UserError("--steps must be >= 1, --warmup >= 0, --loop 0 (off) or >= 3 and --data-seconds > 0")
     cfg = config_lib.load(args.config, overrides)
-    result = bench(cfg, args.steps, args.warmup, args.tokens)
+    if args.data_only and (args.loop or args.tokens):
+      raise UserError("--data-only times the input pipeline and one fixed-batch step; drop --loop / --tokens")
+    if args.data_only and cfg.data.name == "synthetic":
+      raise UserError("--data-only times reading and tokenizing a dataset, and data.name=synthetic has none; use "
+                      "a config with a TFDS dataset (e.g. configs/tiny_bpe.py)")
+    result = data_throughput(cfg, args.data_seconds) if args.data_only else {}
+    result.update(bench(cfg, args.steps, args.warmup, args.tokens))
+    if args.data_only:
+      result["data_headroom"] = result["data_tokens_per_sec"] / result["tokens_per_sec"]
     if args.loop:
       result.update(loop_efficiency(cfg, args.loop, result["step_time_s"]))
   except UserError as e:

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import tensorflow_datasets as tfds
 from meshtrain.config import base_config
 from meshtrain.data import (BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Batches, decode, encode, global_batch,
-                            make_source, pipeline, process_rows, stdlib_corpus)
+                            make_source, pipeline, process_rows, stdlib_corpus, tokenizer)
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 
@@ -116,6 +116,36 @@ def test_packed_rows_reproduce_the_document_stream(stdlib_dir, seq_len, monkeypa
   src2 = make_source(make_cfg(stdlib_dir, seq_len=seq_len), split, shuffle=False)
   assert (src2.offsets == src.offsets).all()
   assert list(pathlib.Path(stdlib_dir, "meshtrain_index").rglob("*.npy"))
+
+
+def test_bpe_source_packs_the_tokenized_stream(stdlib_dir, tmp_path, monkeypatch):
+  """Another tokenizer: the split is tokenized once into a cached stream, packed exactly like bytes."""
+  split = "validation[:20]"
+  texts = [text.decode() for _, text in read_texts(stdlib_dir, split)]
+  tok = tokenizer.train_bpe(texts, 300, tmp_path / "bpe")
+  stream = np.concatenate([np.append(tok.encode(text), tok.eos_id) for text in texts])
+  seq_len = 16
+  src = make_source(make_cfg(stdlib_dir, seq_len=seq_len), split, shuffle=False, tok=tok)
+  n = src.num_sequences
+  assert src.num_tokens == len(stream) and n == -(-(len(stream) - 1) // seq_len)
+  batch = src.rows(0, n, 0, n)
+  assert (batch["inputs"].reshape(-1) == np.append(stream, [tok.pad_id] * seq_len)[:n * seq_len]).all()
+  assert (batch["targets"].reshape(-1) == np.append(stream, [IGNORE_ID] * seq_len)[1:n * seq_len + 1]).all()
+  caches = list(pathlib.Path(stdlib_dir, "meshtrain_index").rglob(f"*tok-{tok.fingerprint[:16]}*.tokens.bin"))
+  assert len(caches) == 1 and caches[0].stat().st_size == 2 * len(stream)  # uint16 ids
+
+  # A second source reads the cache: nothing is tokenized again. Shuffled, the batch at a step is the same
+  # whichever process loads which rows.
+  monkeypatch.setattr(type(tok), "encode_batch", lambda *a: 1 / 0)
+  again = make_source(make_cfg(stdlib_dir, seq_len=seq_len), split, shuffle=False, tok=tok)
+  assert (again.rows(0, n, 0, n)["inputs"] == batch["inputs"]).all()
+  shuffled = make_source(make_cfg(stdlib_dir, seq_len=seq_len), split, shuffle=True, tok=tok)
+  for step in (0, 3):
+    whole = shuffled.rows(step, 8)
+    parts = [shuffled.rows(step, 8, a, a + 2) for a in (0, 2, 4, 6)]
+    for key in ("inputs", "targets"):
+      assert (np.concatenate([p[key] for p in parts]) == whole[key]).all()
+  assert not (shuffled.rows(0, 8)["inputs"] == batch["inputs"][:8]).all()
 
 
 # --- determinism -------------------------------------------------------------------------------------------------
@@ -257,7 +287,8 @@ def test_split_smaller_than_one_sequence(stdlib_dir):
 
 
 def test_vocab_too_small_for_bytes(stdlib_dir):
-  with pytest.raises(UserError, match="model.vocab_size=256 is smaller than the vocabulary of the byte tokenizer, which has 259 ids"):
+  with pytest.raises(UserError, match="model.vocab_size=256 is smaller than the vocabulary of the byte tokenizer, "
+                                      "which has 259 ids"):
     make_source(make_cfg(stdlib_dir, model__vocab_size=256), "train", shuffle=True)
 
 

@@ -180,6 +180,7 @@ class TfdsSource(Source):
     self.name, self.split, self.text_key, self.seq_len, self.shuffle = name, split, text_key, seq_len, shuffle
     self.tok = tok or tokenizer.ByteTokenizer()
     self.pad_id = self.tok.pad_id
+    self.encode_seconds = None  # set when this source tokenized the split (not read from the cache)
     self._index_path = self._index_file(index_dir, data_source) if index_dir is not None else None
     if self.tok.kind == tokenizer.BYTE:
       self._docs = grain.MapDataset.source(data_source).map(_DocumentTokens(text_key))
@@ -609,6 +610,15 @@ class _ToDevices:
     return step, {k: jax.make_array_from_process_local_data(self.sharding, v, self.shape) for k, v in local.items()}
 
 
+def local_batches(src: Source, start_step: int, batch_size: int, start: int, stop: int, *, threads: int = READ_THREADS,
+                  read_ahead: int = READ_AHEAD):
+  """The grain IterDataset of (step, rows [start, stop) of the global batch at step) for step = start_step, ...:
+  the host side of `Batches`, which `python -m meshtrain.bench --data-only` times alone."""
+  import grain  # pylint: disable=g-import-not-at-top
+  steps = grain.MapDataset.range(start_step, sys.maxsize).map(_StepRows(src, batch_size, start, stop))
+  return steps.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=read_ahead))
+
+
 class Batches:
   """Iterates (step, batch) from `start_step` on: the train loop's input.
 
@@ -635,8 +645,7 @@ class Batches:
       self._iterator = None
       return
     self._fallback = None
-    steps = grain.MapDataset.range(start_step, sys.maxsize).map(rows)
-    local = steps.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=read_ahead))
+    local = local_batches(src, start_step, batch_size, start, stop, threads=threads, read_ahead=read_ahead)
     on_devices = grain.experimental.ThreadPrefetchIterDataset(local.map(to_devices), prefetch_buffer_size=1)
     self._iterator = iter(on_devices)
 

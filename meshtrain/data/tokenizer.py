@@ -354,7 +354,8 @@ def _hf_side_files(tok: HfTokenizer) -> dict[str, str]:
     specials["bos_token"] = name(tok.bos_id)
   config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30, "clean_up_tokenization_spaces":
             False, **specials}
-  return {"tokenizer_config.json": json.dumps(config, indent=2), "special_tokens_map.json": json.dumps(specials, indent=2)}
+  return {"tokenizer_config.json": json.dumps(config, indent=2),
+          "special_tokens_map.json": json.dumps(specials, indent=2)}
 
 
 def write_files(tok: Tokenizer, directory: pathlib.Path) -> None:
