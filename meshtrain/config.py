@@ -468,7 +468,14 @@ def _check_values(cfg) -> None:
                     "(name[/config][:1.2.3]), starting with a letter; use python_stdlib (built locally), synthetic, "
                     "or a TFDS dataset name such as tiny_shakespeare or lm1b")
   _check_choice("data.format", data.format, DATA_FORMATS)
+  if data.name == "python_stdlib_sft" and data.format != "prompt_completion":
+    raise UserError("data.name=python_stdlib_sft holds prompt/completion pairs, not documents; set "
+                    "data.format=prompt_completion (or use data.name=python_stdlib for the same files as text)")
   if data.format == "prompt_completion":
+    if str(data.tokenizer).startswith("bpe:"):
+      raise UserError(f"data.tokenizer={data.tokenizer!r} trains a tokenizer on a text dataset, and "
+                      "data.format=prompt_completion data is for fine-tuning: use the tokenizer of the model in "
+                      "init_from (--config.data.tokenizer=WORKDIR/tokenizer) or byte")
     if data.name == "synthetic":
       raise UserError("data.format=prompt_completion needs a dataset with prompts and completions, and synthetic has "
                       "none; use data.name=python_stdlib_sft (built locally) or a TFDS dataset with such features")

@@ -9,6 +9,7 @@ import tensorflow_datasets as tfds
 
 from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib, train
 from meshtrain.data import sft, stdlib_corpus, tokenizer
+from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 
 # A model smaller than tiny (faster compiles); source and fine-tuning runs share it, as init_from requires.
@@ -248,3 +249,15 @@ def test_init_from_refusals(source, tmp_path, capsys, init_from, extra, fragment
   for fragment in fragments:
     assert fill(fragment) in err
   assert not (tmp_path / "tune" / "checkpoints").exists() or not any((tmp_path / "tune" / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["--config.data.format=text"], "python_stdlib_sft holds prompt/completion pairs"),
+    (["--config.data.tokenizer=bpe:512"], "use the tokenizer of the model in init_from"),
+    (["--config.data.format=chat"], "choose one of text, prompt_completion"),
+    (["--config.data.completion_key=prompt"], "must name two different features"),
+    (["--config.data.name=synthetic"], "synthetic has none"),
+])
+def test_data_format_refusals(overrides, fragment):
+  with pytest.raises(UserError, match=fragment):
+    config_lib.load("configs/sft_tiny.py", overrides)
