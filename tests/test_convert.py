@@ -147,21 +147,35 @@ def test_to_hf_loads_in_transformers_with_equal_logits(trained):
   assert_close(meshtrain_logits(trained / "run"), hf_logits(trained / "hf"))
 
 
-def test_greedy_generation_agrees_token_for_token(trained):
-  """transformers' generate (KV cache, greedy) against greedy decoding with meshtrain's forward pass."""
-  prompt = TOKENS[:, :6]
-  new = 16
-  model = transformers.AutoModelForCausalLM.from_pretrained(trained / "hf", dtype=torch.float32)
+def hf_greedy(path, prompt_BP, new):
+  """transformers' generate: KV cache, greedy, every row to `new` tokens (no EOS stop, which meshtrain's side
+  does not do either: min_new_tokens would instead mask EOS out of the argmax)."""
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  model.generation_config.eos_token_id = None
   with torch.no_grad():
-    theirs = model.generate(torch.tensor(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                            attention_mask=torch.ones_like(torch.tensor(prompt))).numpy()[:, prompt.shape[1]:]
-  params, meta = checkpoint.load_params(trained / "run")
-  net = Transformer(ModelConfig.from_config(meta["config"]["model"]))
-  ids = prompt
-  for _ in range(new):
-    logits = np.asarray(net.apply({"params": params}, jnp.asarray(ids)))[:, -1]
-    ids = np.concatenate([ids, logits.argmax(-1)[:, None]], axis=1)
-  np.testing.assert_array_equal(ids[:, prompt.shape[1]:], theirs)
+    out = model.generate(torch.tensor(prompt_BP), max_new_tokens=new, do_sample=False,
+                         attention_mask=torch.ones_like(torch.tensor(prompt_BP)), pad_token_id=0)
+  return out.numpy()[:, prompt_BP.shape[1]:]
+
+
+def meshtrain_greedy(workdir, prompt_BP, new):
+  """meshtrain.generate.Generator (prefill + KV-cache decode), greedy over the whole vocabulary as transformers."""
+  from meshtrain.generate import Generator
+  generator = Generator.from_workdir(workdir, num_ids=checkpoint.load_params(workdir)[1]["config"]["model"]["vocab_size"])
+  out = generator.generate([list(map(int, row)) for row in prompt_BP], max_new_tokens=new, stop_at_eos=False)
+  return np.asarray(out.token_ids)
+
+
+def test_greedy_generation_agrees_token_for_token(trained):
+  prompt = TOKENS[:, :6]
+  np.testing.assert_array_equal(meshtrain_greedy(trained / "run", prompt, 16), hf_greedy(trained / "hf", prompt, 16))
+
+
+def test_imported_model_generates_as_transformers(tmp_path):
+  hf = make_hf(tmp_path / "hf")
+  assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 0
+  prompt = TOKENS[:, :5]
+  np.testing.assert_array_equal(meshtrain_greedy(tmp_path / "w", prompt, 12), hf_greedy(hf, prompt, 12))
 
 
 def test_byte_tokenizer_round_trips_through_auto_tokenizer(trained):
