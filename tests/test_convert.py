@@ -112,6 +112,14 @@ def test_sharded_index_and_tokenizer_are_read(tmp_path):
   assert (tmp_path / "w" / "tokenizer" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
   assert checkpoint.load_params(tmp_path / "w")[1]["tokenizer"]["kind"] == "hf"
   assert_close(meshtrain_logits(tmp_path / "w"), hf_logits(hf))
+  # Out again: the tokenizer.json travels along, and AutoTokenizer encodes as meshtrain's tokenizer does.
+  from meshtrain.data import tokenizer as tokenizer_lib
+  assert run_convert("to-hf", "--workdir", tmp_path / "w", "--out", tmp_path / "back") == 0
+  ours = tokenizer_lib.from_workdir(tmp_path / "w")
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+  text = "tokenizers travel: ünïcödé"
+  assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text).tolist()
+  assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == ours.eos_id
 
 
 def test_round_trip_is_exact(tmp_path):
