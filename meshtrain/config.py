@@ -53,9 +53,10 @@ MAX_SEED = 2**32 - 1
 # [namespace:]name[/config][:major.minor.patch][/kwargs].
 _TFDS_NAME = re.compile(r"^(?:[\w\-]+:)?[a-zA-Z]\w*(?:/[\w+\-.]+)?(?::(?:\d+|\*)(?:\.(?:\d+|\*)){2})?"
                         r"(?:/(?:\w+=[^,\s]+,?)+)?$")
-# The input pipeline holds, per process, 3 batches of its rows (2 prefetched, 1 in use: data.Prefetcher), each
-# as int32 inputs, targets and the packed [rows, seq_len + 1] array they are cut from: 3 x 3 x 4 bytes per token.
-BATCH_BUFFER_BYTES_PER_TOKEN = 3 * 3 * 4
+# The input pipeline (data.Batches) holds, per process, at most 4 batches of its rows: 2 read ahead by grain's
+# workers (each, while built, int32 inputs, targets and the packed [rows, seq_len + 1] array they are cut from), 1 in
+# grain's device-prefetch buffer and 1 in use; counted as 3 int32 arrays each: 4 x 3 x 4 bytes per token.
+BATCH_BUFFER_BYTES_PER_TOKEN = 4 * 3 * 4
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -553,7 +554,7 @@ def host_memory_bytes() -> int:
 
 
 def check_batch_memory(cfg, processes: int | None = None, memory: int | None = None) -> None:
-  """Refuses a batch whose input-pipeline buffers alone cannot fit in this host's memory: each process holds 3
+  """Refuses a batch whose input-pipeline buffers alone cannot fit in this host's memory: each process holds 4
   batches of its rows as int32 arrays (see BATCH_BUFFER_BYTES_PER_TOKEN), before the model needs anything."""
   processes = process_count_hint(cfg) if processes is None else processes
   memory = host_memory_bytes() if memory is None else memory
@@ -564,7 +565,7 @@ def check_batch_memory(cfg, processes: int | None = None, memory: int | None = N
           f"batch_size={cfg.batch_size}"
     raise UserError(f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} is {cfg.batch_size * cfg.seq_len:,} tokens "
                     f"per step; for {per} the input pipeline's buffers alone need {needed / 1e9:,.1f} GB "
-                    f"({BATCH_BUFFER_BYTES_PER_TOKEN} bytes per token: int32 inputs, targets and packed rows, 3 "
+                    f"({BATCH_BUFFER_BYTES_PER_TOKEN} bytes per token: int32 inputs, targets and packed rows, 4 "
                     f"batches in flight), more than this host's {memory / 1e9:,.1f} GB of memory; lower seq_len or "
                     "batch_size")
 
