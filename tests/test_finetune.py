@@ -111,7 +111,7 @@ def test_dataset_builds_with_the_stdlib_split(sft_dir):
     assert len(ds) > 10
     for record in ds:
       prompt, completion, where = (record[k].decode() for k in ("prompt", "completion", "path"))
-      assert prompt.lstrip("@").startswith(("def ", "async def ")) and completion.strip(), where
+      assert prompt.startswith(("def ", "async def ")) and completion.strip(), where
       assert stdlib_corpus.split_of(where.split(":")[0]) == split  # a file's functions stay in its split
   assert sft.build(str(sft_dir)).info.splits["train"].num_examples == len(
       tfds.data_source(sft.NAME, split="train", data_dir=str(sft_dir), download=False))  # reused, not rebuilt

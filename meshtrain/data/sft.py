@@ -157,7 +157,8 @@ class SftSource(pipeline.Source):
     if not self.shuffle:  # evaluation: the same examples, in order, every time
       return example_index % n
     # A materialised permutation per epoch, as TfdsSource does for small splits (stdlib functions: ~8,000).
-    return int(pipeline._permutation(self._seed, example_index // n, n)[example_index % n])  # pylint: disable=protected-access
+    order = pipeline._permutation(self._seed, example_index // n, n)  # pylint: disable=protected-access
+    return int(order[example_index % n])
 
   def sequence(self, seq_index: int) -> np.ndarray:
     raise TypeError("an SftSource row is not one shifted token sequence (its prompt targets are masked); use "
