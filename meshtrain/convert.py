@@ -499,6 +499,8 @@ def write_safetensors(directory: pathlib.Path, tensors) -> None:
     if current:
       name = f"shard-{len(shards):05d}.tmp"
       save_file(current, str(directory / name), metadata={"format": "pt"})  # "pt": transformers checks it
+      # safetensors creates its files 0600; the other files (and save_pretrained's) follow the umask.
+      os.chmod(directory / name, 0o666 & ~_umask())
       shards.append((name, list(current)))
       current, size = {}, 0
 
@@ -519,6 +521,12 @@ def write_safetensors(directory: pathlib.Path, tensors) -> None:
     weight_map.update({n: final for n in names})
   (directory / "model.safetensors.index.json").write_text(json.dumps(
       {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
 
 
 def byte_tokenizer_json() -> str:
