@@ -259,9 +259,11 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     writer.write(record)
 
   if init is not None and eval_src is not None:  # the baseline a fine-tuning run's evaluations compare to
+    t_pause = time.perf_counter()
     record = evaluate(state.params, 0)
     writer.write(record)
     writer.print(f"step 0 (init_from): eval loss {record['eval_loss']:.4f}")
+    clock["excluded"] += time.perf_counter() - t_pause  # not part of the first step's time
   preemption.start_loop(distributed=jax.process_count() > 1)
   try:
     for done in range(start + 1, cfg.steps + 1):
