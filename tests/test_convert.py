@@ -196,14 +196,18 @@ def test_byte_tokenizer_round_trips_through_auto_tokenizer(trained):
   assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (byte.PAD_ID, byte.EOS_ID, byte.BOS_ID)
 
 
-def test_fan_in_tied_exports_untied_with_scaled_head(tmp_path, capsys):
+@pytest.mark.parametrize("variant", ["tied", "untied_unscanned"])
+def test_fan_in_exports_with_its_scalings_folded_in(tmp_path, capsys, variant):
   """model.init=fan_in scales w_q by sqrt(E) and tied logits by 1/sqrt(D) in the forward pass: the export folds
-  both into the weights, so transformers computes the same logits."""
+  both into the weights, so transformers computes the same logits. Untied: a model trained without the scanned
+  stack (scan_layers=false: layer_0, layer_1, ... instead of one stacked `layers` tree)."""
   import flax.linen as nn
   import jax
   from meshtrain import config as config_lib
   cfg = config_lib.base_config()
-  cfg.model.num_layers, cfg.model.init, cfg.model.tie_embeddings = 2, "fan_in", True
+  cfg.model.num_layers, cfg.model.init = 2, "fan_in"
+  cfg.model.tie_embeddings = variant == "tied"
+  cfg.model.scan_layers = variant == "tied"
   params = nn.meta.unbox(Transformer(ModelConfig.from_config(cfg.model)).init(
       jax.random.key(1), jnp.zeros((1, 4), jnp.int32))["params"])
   params = jax.tree.map(np.asarray, params)
@@ -213,7 +217,7 @@ def test_fan_in_tied_exports_untied_with_scaled_head(tmp_path, capsys):
   ckpt.wait()
   ckpt.close()
   assert run_convert("to-hf", "--workdir", tmp_path / "w", "--out", tmp_path / "hf") == 0
-  assert "exported untied, with lm_head = embedding / sqrt(d_model)" in capsys.readouterr().out
+  assert ("exported untied, with lm_head = embedding / sqrt(d_model)" in capsys.readouterr().out) == (variant == "tied")
   assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
   assert_close(meshtrain_logits(tmp_path / "w"), hf_logits(tmp_path / "hf"))
 
