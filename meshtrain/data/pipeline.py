@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import io
 import logging
 import os
 import pathlib
@@ -234,50 +235,68 @@ class TfdsSource(Source):
     loaded = _load_token_cache(path, tokens_path, count, dtype)
     if loaded is not None:
       return loaded
-    with _file_lock(path.with_name(f".{path.name}.lock")):
-      loaded = _load_token_cache(path, tokens_path, count, dtype)  # another process may have built it meanwhile
-      if loaded is not None:
-        return loaded
-      self._encode_split(data_source, path, tokens_path, dtype)
-    loaded = _load_token_cache(path, tokens_path, count, dtype)
+    try:
+      with _file_lock(path.with_name(f".{path.name}.lock")):
+        loaded = _load_token_cache(path, tokens_path, count, dtype)  # another process may have built it meanwhile
+        if loaded is None:
+          self._write_token_cache(data_source, path, tokens_path, dtype)
+          loaded = _load_token_cache(path, tokens_path, count, dtype)
+    except OSError as e:
+      # A read-only data dir still trains: the stream is encoded into memory, again by every run.
+      log.warning("could not cache the token stream at %s (%s); it is kept in memory and recomputed each run",
+                  tokens_path, e)
+      stream = io.BytesIO()
+      offsets = self._encode_split(data_source, stream, dtype)
+      return offsets, np.frombuffer(stream.getbuffer(), dtype)
     if loaded is None:
       raise RuntimeError(f"the token cache {tokens_path} just written does not read back")
     return loaded
 
-  def _encode_split(self, data_source, path: pathlib.Path, tokens_path: pathlib.Path, dtype) -> None:
-    """Tokenizes every document (grain threads read and decode records; the tokenizer encodes a batch of them on
-    its own threads) into tokens_path, then the offsets into `path`: both written aside and renamed."""
-    import grain  # pylint: disable=g-import-not-at-top
-
-    count = len(data_source)
-    texts = (grain.MapDataset.source(data_source).map(_DocumentText(self.text_key)).batch(ENCODE_BATCH,
-             batch_fn=list).to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)))
+  def _write_token_cache(self, data_source, path: pathlib.Path, tokens_path: pathlib.Path, dtype) -> None:
+    """The split's token stream into tokens_path, then its offsets into `path`: each written aside and renamed,
+    the offsets last, so offsets present mean the tokens beside them are whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_tokens = tokens_path.with_name(f"{tokens_path.name}.tmp{os.getpid()}")
-    sizes = np.zeros(count + 1, np.int64)
-    t0 = report = time.perf_counter()
-    done = 0
-    eos = np.array([self.tok.eos_id], dtype)
-    with open(tmp_tokens, "wb") as f:
-      for batch in texts:
-        for ids in self.tok.encode_batch(batch):
-          f.write(ids.astype(dtype).tobytes())
-          f.write(eos.tobytes())
-          done += 1
-          sizes[done] = len(ids) + 1
-        if time.perf_counter() - report > 10:
-          report = time.perf_counter()
-          log.info("tokenizing %s/%s: %d of %d documents", self.name, self.split, done, count)
-    offsets = np.cumsum(sizes)
-    seconds = time.perf_counter() - t0
-    self.encode_seconds = seconds
-    log.info("tokenized %d documents of %s/%s into %d tokens in %.1fs (%.0f tokens/s)", count, self.name, self.split,
-             offsets[-1], seconds, offsets[-1] / max(seconds, 1e-9))
-    os.replace(tmp_tokens, tokens_path)
+    try:
+      with open(tmp_tokens, "wb") as f:
+        offsets = self._encode_split(data_source, f, dtype)
+      os.replace(tmp_tokens, tokens_path)
+    finally:
+      tmp_tokens.unlink(missing_ok=True)  # an interrupted pass leaves nothing behind
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
       np.save(f, offsets)
-    os.replace(tmp, path)  # last: offsets present means the tokens beside them are whole
+    os.replace(tmp, path)
+
+  def _encode_split(self, data_source, out, dtype) -> np.ndarray:
+    """Writes every document's tokens and an EOS to the binary file `out`; returns the offsets. Grain threads read
+    and decode the records while the tokenizer encodes batches of them on its own threads."""
+    import grain  # pylint: disable=g-import-not-at-top
+
+    count = len(data_source)
+    # Printed, not logged: the first run of a new tokenizer waits here (a minute or two for python_stdlib).
+    print(f"tokenizing {count} documents of {self.name}/{self.split} with the {self.tok.kind} tokenizer "
+          f"({self.tok.vocab_size} ids) once; the token stream is cached", flush=True)
+    texts = (grain.MapDataset.source(data_source).map(_DocumentText(self.text_key)).batch(ENCODE_BATCH,
+             batch_fn=list).to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)))
+    sizes = np.zeros(count + 1, np.int64)
+    t0 = report = time.perf_counter()
+    done = 0
+    eos = np.array([self.tok.eos_id], dtype).tobytes()
+    for batch in texts:
+      for ids in self.tok.encode_batch(batch):
+        out.write(ids.astype(dtype).tobytes())
+        out.write(eos)
+        done += 1
+        sizes[done] = len(ids) + 1
+      if time.perf_counter() - report > 10:
+        report = time.perf_counter()
+        log.info("tokenizing %s/%s: %d of %d documents", self.name, self.split, done, count)
+    offsets = np.cumsum(sizes)
+    self.encode_seconds = time.perf_counter() - t0
+    print(f"tokenized {self.name}/{self.split}: {offsets[-1]:,} tokens in {self.encode_seconds:.1f}s "
+          f"({offsets[-1] / max(self.encode_seconds, 1e-9):,.0f} tokens/s)", flush=True)
+    return offsets
 
   def _load_or_build_offsets(self, lengths) -> np.ndarray:
     count = len(lengths)
