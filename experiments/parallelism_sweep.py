@@ -104,7 +104,7 @@ def main() -> int:
       ref_cfg = make_config({}, "dp", MOE if moe else {}, args.steps)
       print(f"one device{' (MoE)' if moe else ''} ...", flush=True)
       references[moe] = run(ref_cfg, jax.devices()[:1])
-      from meshtrain import data, layout as layout_lib
+      from meshtrain import layout as layout_lib
       references[moe]["params"] = layout_lib.build(
           ref_cfg, mesh_lib.make_mesh(ref_cfg.mesh, devices=jax.devices()[:1])).init(ref_cfg.seed).params
     ref = references[moe]

@@ -77,7 +77,7 @@ def inspect(cfg) -> Report:
   """Compiles cfg's train step for cfg.cpu_devices simulated devices; arrays are never created."""
   from meshtrain import runtime
   runtime.start(cfg)
-  from meshtrain import data, estimate, hlo, layout as layout_lib, mesh as mesh_lib
+  from meshtrain import estimate, hlo, layout as layout_lib, mesh as mesh_lib
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh)
   t0 = time.perf_counter()

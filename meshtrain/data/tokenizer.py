@@ -166,7 +166,7 @@ class HfTokenizer(Tokenizer):
     try:
       self._spec = json.loads(path.read_text(encoding="utf-8"))
       self._tok = tokenizers.Tokenizer.from_str(json.dumps(self._spec))
-    except (OSError, ValueError, Exception) as e:  # tokenizers raises a bare Exception on a malformed file
+    except Exception as e:  # pylint: disable=broad-except  # OSError, bad JSON, and tokenizers' bare Exception
       raise UserError(f"data.tokenizer={str(path)!r} is not a readable Hugging Face tokenizer.json "
                       f"({' '.join(str(e).split())[:160]}); pass a tokenizer.json, a SentencePiece .model, "
                       "a directory holding one, or byte") from e
