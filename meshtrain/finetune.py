@@ -63,7 +63,11 @@ def _read_meta(workdir: pathlib.Path, step: int) -> dict:
   """The meta item of the step, read before any parameter so that a mismatch costs no restore (load_params
   verifies its checksum when it reads the parameters)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(workdir / "checkpoints" / str(step) / "meta")
+  try:
+    meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(workdir / "checkpoints" / str(step) / "meta")
+  except Exception as e:  # Orbax raises many kinds for a damaged or foreign file; the user needs which and where
+    raise UserError(f"the checkpoint at step {step} in {workdir} has a meta item that cannot be read "
+                    f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); {HOW}") from e
   if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
     raise UserError(f"the checkpoint at step {step} in {workdir} has no readable config in its meta item, so its "
                     f"model is unknown; {HOW}")

@@ -219,6 +219,12 @@ def test_converted_params_only_workdir(source, tmp_path, capsys):
   state, meta = restore_state(tune, 1, "--config.steps=1")
   jax.tree.map(np.testing.assert_array_equal, state.params, params)
   assert meta["init_from"] == {"workdir": str(converted), "step": 0, "params_only": True}
+  # Another storage dtype: the parameters are cast.
+  assert run(tmp_path / "bf16", "--config.steps=1", "--config.eval_every=0", f"--config.init_from={converted}",
+             "--config.faults.nan_at_step=1", "--config.nonfinite=skip", "--config.model.param_dtype=bfloat16") == 0
+  state, _ = restore_state(tmp_path / "bf16", 1, "--config.steps=1", "--config.model.param_dtype=bfloat16")
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b.astype(a.dtype)), state.params, params)
+  assert {leaf.dtype.name for leaf in jax.tree.leaves(state.params)} == {"bfloat16"}
   # A model trained with another tokenizer: its ids mean other text, so this run must use its tokenizer.
   convert(tmp_path / "other_tokenizer", tokenizer={"kind": "hf", "fingerprint": "f" * 64})
   capsys.readouterr()
