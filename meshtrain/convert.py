@@ -231,8 +231,9 @@ def check_tensors(files: dict, m: dict, hf_dir: pathlib.Path) -> str:
     by_file.setdefault(files[name], []).append(name)
   for file, names in by_file.items():
     with _open_safetensors(file) as f:
+      held = set(f.keys())
       for name in names:
-        if name not in f.keys():  # an index naming the wrong shard
+        if name not in held:  # an index naming the wrong shard
           raise UserError(f"model.safetensors.index.json puts {name} in {file.name}, which does not hold it; fix "
                           "the index or re-save the model")
         piece = f.get_slice(name)
