@@ -72,10 +72,12 @@ class Output:
             "prefill_s": self.prefill_s, "decode_s": self.decode_s}
 
 
-def sample(logits_BV, key, sampling: Sampling):
-  """Next token id per row, [B] int32."""
+def sample(logits_BV, key, sampling: Sampling, num_ids: int | None = None):
+  """Next token id per row, [B] int32, among ids < num_ids (all when None)."""
   import jax
   import jax.numpy as jnp
+  if num_ids is not None and num_ids < logits_BV.shape[-1]:
+    logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < num_ids, logits_BV, -jnp.inf)
   if sampling.temperature == 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   logits_BV = logits_BV / sampling.temperature
@@ -92,6 +94,22 @@ def sample(logits_BV, key, sampling: Sampling):
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
+def layers_as(params: dict, num_layers: int, stacked: bool) -> dict:
+  """The parameter tree with its layers stacked (`layers`, [N, ...] leaves: a scanned model's) or one subtree per
+  layer (`layer_0`, ...: an unrolled model's), whichever `params` has; numpy or jax arrays."""
+  import jax
+  import jax.numpy as jnp
+  if stacked and "layers" not in params:
+    per_layer = [params[f"layer_{i}"] for i in range(num_layers)]
+    rest = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    stack = lambda *a: np.stack(a) if isinstance(a[0], np.ndarray) else jnp.stack(a)
+    return {**rest, "layers": jax.tree.map(stack, *per_layer)}
+  if not stacked and "layers" in params:
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**rest, **{f"layer_{i}": jax.tree.map(lambda a: a[i], params["layers"]) for i in range(num_layers)}}
+  return params
+
+
 class Generator:
   """Prefill + KV-cache decode of a meshtrain Transformer on a mesh; reusable across calls (compiled programs are
   kept per batch size, padded prompt length, new-token count and sampling setting).
@@ -103,12 +121,21 @@ class Generator:
   or from parameters in memory: Generator(params, model_cfg, tokenizer=tok, mesh=mesh) with `params` the Flax
   tree (numpy or jax arrays; they are placed in the mesh's shardings) and `model_cfg` a ModelConfig or the `model`
   config group. `max_len` bounds prompt + new tokens (a run's seq_len by default for from_workdir; None: no bound).
-  `add_bos` puts the tokenizer's BOS in front of every prompt (a converted Hugging Face Llama expects it; meshtrain's
-  own runs train without BOS, so from_workdir turns it on only for converted checkpoints).
+  `add_bos` puts the tokenizer's BOS in front of every text prompt (prompts given as ids are used as they are): a
+  converted Hugging Face Llama expects it, meshtrain's own runs train without it, so from_workdir's default (None)
+  turns it on only for a converted checkpoint whose tokenizer is not bytes and has a BOS.
+  Ids the tokenizer does not have (model.vocab_size is often rounded up) are never generated: they were never a
+  training target and decode to nothing. `num_ids` overrides that bound (None: the tokenizer's vocabulary size),
+  `eos_id` the id that ends a row (None: the tokenizer's).
+  The layers run unrolled, on per-layer weights (`layer_i`, split from the stacked `layers` once, here): inside
+  the decode loop a scanned stack slices each layer's weights out of [N, ...] arrays, and XLA's CPU backend copies
+  every slice, every token (dynamic-slice fusions): 1.7x the bytes a batch-1 token must read at the 125m shape.
+  `scan_layers=True` keeps the scanned stack (one compiled block: a smaller program for very deep models).
   """
 
   def __init__(self, params, model_cfg, *, tokenizer=None, mesh=None, rules=None, max_len: int | None = None,
-               add_bos: bool = False):
+               add_bos: bool = False, num_ids: int | None = None, eos_id: int | None = None,
+               scan_layers: bool = False):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from meshtrain import mesh as mesh_lib, sharding
@@ -118,7 +145,8 @@ class Generator:
       model_cfg = ModelConfig.from_config(model_cfg)
     # Generation runs the plain layer stack: no pipeline, no remat (nothing is differentiated), attention by the
     # cache path; a checkpoint trained pipelined (sequential layer order) has the same parameter tree.
-    self.model_cfg = dataclasses.replace(model_cfg, pipeline_stages=1, pipeline_microbatches=1, remat="none")
+    self.model_cfg = dataclasses.replace(model_cfg, pipeline_stages=1, pipeline_microbatches=1, remat="none",
+                                         scan_layers=scan_layers)
     self.model = Transformer(self.model_cfg)
     self.tokenizer = tokenizer if tokenizer is not None else tokenizer_lib.load("byte")
     if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
@@ -135,21 +163,24 @@ class Generator:
     boxed = jax.eval_shape(self.model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))["params"]
     sharding.param_table(boxed, self.mesh, self.rules)  # a weight the mesh cannot split evenly: UserError naming it
     self.param_shardings = sharding.shardings_of(boxed, self.mesh, self.rules)
-    self.params = jax.device_put(params, self.param_shardings)
+    self.params = jax.device_put(layers_as(params, self.model_cfg.num_layers, scan_layers), self.param_shardings)
     self.batch_ways = int(np.prod([self.mesh.shape[a] for a in mesh_lib.BATCH_AXES]))
     self.max_len = max_len
     self.add_bos = add_bos
+    self.num_ids = num_ids if num_ids is not None else self.tokenizer.vocab_size
     self.pad_id = self.tokenizer.pad_id
-    self.eos_id = self.tokenizer.eos_id
+    self.eos_id = eos_id if eos_id is not None else self.tokenizer.eos_id
     self._replicated = NamedSharding(self.mesh, P())
     self._batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
     self._compiled = {}
 
   @classmethod
   def from_workdir(cls, workdir, step: int | None = None, *, mesh=None, rules=None, max_len: int | None = None,
-                   tokenizer=None) -> "Generator":
+                   tokenizer=None, dtype: str | None = None, num_ids: int | None = None,
+                   add_bos: bool | None = None) -> "Generator":
     """The parameters of `workdir`'s checkpoint `step` (default the newest), its model config and tokenizer, on
-    `mesh` (default one device). max_len defaults to the run's seq_len, the context it was trained on."""
+    `mesh` (default one device). max_len defaults to the run's seq_len, the context it was trained on; `dtype`
+    replaces the run's compute dtype (model.dtype, e.g. bfloat16), not the stored parameters'."""
     import jax
     from meshtrain import checkpoint, mesh as mesh_lib, sharding
     from meshtrain.data import tokenizer as tokenizer_lib
@@ -160,9 +191,12 @@ class Generator:
     saved = meta["config"]
     if tokenizer is None:
       tokenizer = tokenizer_lib.from_workdir(workdir)
-    return cls(params, saved["model"], tokenizer=tokenizer, mesh=mesh, rules=rules,
+    model = dict(saved["model"], **({"dtype": dtype} if dtype else {}))
+    return cls(params, model, tokenizer=tokenizer, mesh=mesh, rules=rules,
                max_len=max_len if max_len is not None else saved.get("seq_len"),
-               add_bos=bool(meta.get("params_only")) and tokenizer.bos_id is not None)
+               add_bos=add_bos if add_bos is not None else (
+                   bool(meta.get("params_only")) and tokenizer.kind != "byte" and tokenizer.bos_id is not None),
+               num_ids=num_ids)
 
   # --- prompts ---
 
@@ -178,7 +212,7 @@ class Generator:
           raise UserError(f"prompt {i} has token id {int(ids.min() if ids.min() < 0 else ids.max())} outside the "
                           f"model's vocabulary 0..{self.model_cfg.vocab_size - 1}")
         ids = ids.astype(np.int32)
-      if self.add_bos:
+      if self.add_bos and isinstance(prompt, (str, bytes)):
         ids = np.concatenate([[self.tokenizer.bos_id], ids]).astype(np.int32)
       if ids.size == 0:
         # Nothing to condition on: start where a training document starts, after an end-of-sequence token.
@@ -200,7 +234,7 @@ class Generator:
     import jax
     import jax.numpy as jnp
     from meshtrain.models.llama import init_cache
-    c, model, pad, eos = self.model_cfg, self.model, self.pad_id, self.eos_id
+    c, model, pad, eos, num_ids = self.model_cfg, self.model, self.pad_id, self.eos_id, self.num_ids
     S = P + T - 1  # slots: the prompt, then every new token but the last (it is never fed back)
     check_eos = stop_at_eos and eos is not None
 
@@ -213,7 +247,7 @@ class Generator:
       cache = init_cache(c, B, S, start_B)
       logits_B1V, cache = model.apply({"params": params}, tokens_BP, cache=cache)
       live_B = limit_B > 0  # rows that only pad the batch to a multiple of the batch axes have limit 0
-      token_B = jnp.where(live_B, sample(logits_B1V[:, 0], jax.random.fold_in(key, 0), sampling), pad)
+      token_B = jnp.where(live_B, sample(logits_B1V[:, 0], jax.random.fold_in(key, 0), sampling, num_ids), pad)
       out_BT = jnp.full((B, T), pad, jnp.int32).at[:, 0].set(token_B)
       return {"cache": cache, "out_BT": out_BT, "t": jnp.ones((), jnp.int32),
               "done_B": ~live_B | stopped(token_B, 0, limit_B), "limit_B": limit_B, "key": key}
@@ -224,7 +258,7 @@ class Generator:
         t = s["t"]
         token_B1 = jax.lax.dynamic_slice_in_dim(s["out_BT"], t - 1, 1, axis=1)
         logits_B1V, cache = model.apply({"params": params}, token_B1, cache=s["cache"])
-        token_B = jnp.where(s["done_B"], pad, sample(logits_B1V[:, 0], jax.random.fold_in(s["key"], t), sampling))
+        token_B = jnp.where(s["done_B"], pad, sample(logits_B1V[:, 0], jax.random.fold_in(s["key"], t), sampling, num_ids))
         out_BT = jax.lax.dynamic_update_slice(s["out_BT"], token_B[:, None], (0, t))
         return {**s, "cache": cache, "out_BT": out_BT, "t": t + 1,
                 "done_B": s["done_B"] | stopped(token_B, t, s["limit_B"])}
@@ -362,11 +396,15 @@ def parse_args(argv: list[str]):
   # One device by default on the CPU: simulated devices are threads sharing the same cores, so splitting a decode
   # over them only adds collectives. --config.cpu_devices=8 with mesh overrides simulates a mesh, as train does.
   cfg.cpu_devices = 1
+  args.dtype = None  # the run's compute dtype unless --config.model.dtype is given
   for item in overrides:
     key = config_lib.apply_override(cfg, item)
-    if not key.startswith(("mesh.", "sharding.", "cpu_devices", "xla_flags", "compilation_cache_dir")):
+    if key == "model.dtype":
+      args.dtype = cfg.model.dtype
+    if not key.startswith(("mesh.", "sharding.", "cpu_devices", "xla_flags", "compilation_cache_dir", "model.dtype")):
       raise UserError(f"--config.{key} cannot be set for generation (the model comes from the checkpoint); only "
-                      "mesh.*, sharding.*, cpu_devices, xla_flags and compilation_cache_dir")
+                      "mesh.*, sharding.*, cpu_devices, xla_flags, compilation_cache_dir and model.dtype")
+  config_lib.validate(cfg)
   prompts = read_prompts(args)
   return args, cfg, saved, workdir, prompts
 
@@ -440,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain import mesh as mesh_lib, sharding
     mesh = mesh_lib.make_mesh(cfg.mesh)
     rules = sharding.rules_for(cfg.sharding.rules)
-    generator = Generator.from_workdir(workdir, args.step, mesh=mesh, rules=rules, max_len=args.max_len)
+    generator = Generator.from_workdir(workdir, args.step, mesh=mesh, rules=rules, max_len=args.max_len,
+                                       dtype=args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.json:
       output = generator.generate(prompts, args.max_new_tokens, sampling, args.seed)

@@ -191,21 +191,23 @@ CACHE_AXES = ("cache_layers", "cache_batch", "cache_len", "cache_kv_heads", "cac
 class KVCache:
   """Keys and values of every layer, for generation. Slots [0, end) are filled; row b's own tokens start at slot
   start_B[b] (left padding before it, never attended to), so every row writes its next token at the same slot
-  `end` (one dynamic_update_slice for the batch) while its rotary position is its own: slot - start_B[b]."""
-  k_NBSKE: jax.Array
-  v_NBSKE: jax.Array
+  `end` (one dynamic_update_slice for the batch) while its rotary position is its own: slot - start_B[b].
+  k_NBSKE[i] is layer i's [B, S, K, E]: one stacked array under a scanned layer stack (the layer axis leads, as
+  in the weights), a tuple of per-layer arrays for unrolled layers (each updated in place, never restacked)."""
+  k_NBSKE: jax.Array | tuple
+  v_NBSKE: jax.Array | tuple
   start_B: jax.Array  # int32 [B]
   end: jax.Array      # int32 scalar
 
-  @property
-  def length(self) -> int:
-    return self.k_NBSKE.shape[2]
-
-
 def init_cache(c: ModelConfig, batch: int, length: int, start_B) -> KVCache:
-  """An empty cache of `length` slots for `batch` rows whose own tokens start at slot start_B (compute dtype)."""
-  shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
-  zeros = lambda: nn.with_logical_constraint(jnp.zeros(shape, c.dtype), CACHE_AXES)
+  """An empty cache of `length` slots for `batch` rows whose own tokens start at slot start_B (compute dtype),
+  stacked for a scanned model (c.scan_layers), per layer otherwise."""
+  shape = (batch, length, c.num_kv_heads, c.head_dim)
+  if c.scan_layers:
+    zeros = lambda: nn.with_logical_constraint(jnp.zeros((c.num_layers, *shape), c.dtype), CACHE_AXES)
+  else:
+    zeros = lambda: tuple(nn.with_logical_constraint(jnp.zeros(shape, c.dtype), CACHE_AXES[1:])
+                          for _ in range(c.num_layers))
   return KVCache(zeros(), zeros(), jnp.asarray(start_B, jnp.int32), jnp.zeros((), jnp.int32))
 
 
@@ -383,14 +385,14 @@ class Transformer(nn.Module):
                       in_axes=(nn.broadcast, 0, nn.broadcast), length=c.num_layers, unroll=unrolled_layers(c),
                       metadata_params={nn.PARTITION_NAME: "layers"})
       x_BLD, (k_NBSKE, v_NBSKE) = stack(c, name="layers")(x_BLD, pos_BL, kv, slots)
+      k_NBSKE, v_NBSKE = (nn.with_logical_constraint(a, CACHE_AXES) for a in (k_NBSKE, v_NBSKE))
     else:
       ks, vs = [], []
       for i in range(c.num_layers):
         x_BLD, (k_BSKE, v_BSKE) = Block(c, name=f"layer_{i}")(x_BLD, pos_BL, (kv[0][i], kv[1][i]), slots)
         ks.append(k_BSKE)
         vs.append(v_BSKE)
-      k_NBSKE, v_NBSKE = jnp.stack(ks), jnp.stack(vs)
-    k_NBSKE, v_NBSKE = (nn.with_logical_constraint(a, CACHE_AXES) for a in (k_NBSKE, v_NBSKE))
+      k_NBSKE, v_NBSKE = tuple(ks), tuple(vs)
     x_B1D = RMSNorm(c, name="final_norm")(x_BLD[:, -1:])
     if c.tie_embeddings:
       logits_B1V = dense(x_B1D, embed_VD.astype(c.dtype), "D,VD->V")

@@ -1,0 +1,201 @@
+"""Generation: KV-cache decode equals full recomputation on every layout, sampling, EOS, padding, the CLI, and
+load_params."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import xla_fast
+
+from meshtrain import checkpoint, config, generate, mesh as mesh_lib, sharding, train
+from meshtrain.errors import UserError
+from meshtrain.models.llama import ModelConfig, Transformer
+
+NEW = 64
+# Grouped-query attention (2 query heads per kv head) whose 8 kv heads split over tensor=8.
+MODEL = dataclasses.replace(ModelConfig.from_config(config.base_config().model), num_layers=2, num_heads=16,
+                            num_kv_heads=8, head_dim=8)
+PROMPTS = [[72, 101, 108, 108, 111], list(range(40, 57)), [35]]  # 5, 17 and 1 tokens: one batch, left-padded
+LAYOUTS = {  # name: (mesh sizes, rules preset)
+    "data=8": ({"data": 8}, "dp"),
+    "fsdp=8": ({"data": 1, "fsdp": 8}, "fsdp"),
+    "tensor=8": ({"data": 1, "tensor": 8}, "tp"),
+}
+
+
+@pytest.fixture(scope="module")
+def params():
+  """Random weights, scaled up so that the greedy choices are clear (at init the logits are nearly uniform and
+  float rounding alone could flip an argmax between two programs)."""
+  boxed = Transformer(MODEL).init(jax.random.key(1), jnp.zeros((1, 1), jnp.int32))["params"]
+  return jax.tree.map(lambda a: np.asarray(a * 3 if a.ndim > 1 else a), nn.meta.unbox(boxed))
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+  """Greedy tokens of each prompt by running its whole sequence through the training forward pass for every new
+  token, without a cache. Each row right-padded to one length (causal: what follows a token changes nothing
+  before it), so one compiled program serves every step and row."""
+  lengths = [len(p) for p in PROMPTS]
+  tokens = np.zeros((len(PROMPTS), max(lengths) + NEW), np.int32)
+  for row, prompt in enumerate(PROMPTS):
+    tokens[row, :len(prompt)] = prompt
+  forward = jax.jit(lambda p, t: Transformer(MODEL).apply({"params": p}, t))
+  rows = np.arange(len(PROMPTS))
+  for step in range(NEW):
+    at = np.asarray(lengths) + step
+    tokens[rows, at] = np.argmax(np.asarray(forward(params, tokens))[rows, at - 1], axis=-1)
+  return [tokens[row, n:n + NEW].tolist() for row, n in enumerate(lengths)]
+
+
+def one_device(params, **kwargs):
+  return generate.Generator(params, MODEL, num_ids=MODEL.vocab_size, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def gen(params):
+  """One generator for the one-device tests: its compiled programs are reused between them."""
+  return one_device(params)
+
+
+def test_kv_cache_greedy_equals_full_recompute_one_device(gen, reference):
+  out = gen.generate(PROMPTS, NEW, stop_at_eos=False)
+  assert out.token_ids == reference
+  assert out.finish_reasons == ["max_new_tokens"] * 3 and out.decode_tokens == 3 * (NEW - 1)
+
+
+def test_scanned_layer_stack_decodes_the_same(params, reference):
+  # The cache with a leading layer axis, carried through nn.scan (Generator's default unrolls the layers).
+  scanned = one_device(params, scan_layers=True)
+  prefill, _ = scanned._programs(3, 32, NEW, generate.Sampling(), False)
+  assert prefill.out_info["cache"].k_NBSKE.shape == (MODEL.num_layers, 3, 32 + NEW - 1, 8, 8)
+  assert scanned.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kv_cache_greedy_equals_full_recompute_on_meshes(params, reference, layout):
+  sizes, rules = LAYOUTS[layout]
+  mesh = mesh_lib.make_mesh(sizes)
+  gen = generate.Generator(params, MODEL, mesh=mesh, rules=sharding.rules_for(rules), num_ids=MODEL.vocab_size)
+  prefill, _ = gen._programs(8, 32, NEW, generate.Sampling(), False)  # the program generate() below runs
+  cache_spec = prefill.output_shardings["cache"].k_NBSKE[0].spec  # layer 0's [B, S, K, E]
+  # The cache is sharded like the activations it holds: rows over the batch axes, kv heads over tensor.
+  expected = {"data=8": ("data",), "fsdp=8": ("fsdp",), "tensor=8": (None, None, "tensor")}[layout]
+  assert tuple(cache_spec)[:len(expected)] == expected
+  assert gen.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
+
+
+def test_prompts_in_one_batch_equal_each_alone(gen):
+  together = gen.generate(PROMPTS, NEW, stop_at_eos=False).token_ids
+  # Alone, the 5- and 1-token prompts are padded to 16 columns, not 32, and sit in a batch of one.
+  assert together == [gen.generate([p], NEW, stop_at_eos=False).token_ids[0] for p in PROMPTS]
+
+
+def test_seeded_sampling_is_reproducible(gen):
+  sampling = generate.Sampling(temperature=1.0, top_k=50, top_p=0.9)
+  first = gen.generate(PROMPTS, NEW, sampling, seed=3, stop_at_eos=False).token_ids
+  assert gen.generate(PROMPTS, NEW, sampling, seed=3, stop_at_eos=False).token_ids == first
+  assert gen.generate(PROMPTS, NEW, sampling, seed=4, stop_at_eos=False).token_ids != first
+  assert first != gen.generate(PROMPTS, NEW, stop_at_eos=False).token_ids  # not greedy
+
+
+def test_eos_stops_its_sequence_only(params, reference):
+  # An id that row 0 makes at index 6 and never before, and row 1 never: declared the end-of-sequence id.
+  row0, row1 = reference[0], reference[1]
+  k = next(i for i in range(6, NEW) if row0[i] not in row0[:i] and row0[i] not in row1)
+  out = one_device(params, eos_id=row0[k]).generate(PROMPTS[:2], NEW)
+  assert out.token_ids[0] == row0[:k + 1] and out.finish_reasons[0] == "eos"
+  assert out.token_ids[1] == row1 and out.finish_reasons[1] == "max_new_tokens"
+
+
+def test_context_limit_and_bad_input(params):
+  gen = one_device(params, max_len=20)
+  out = gen.generate(PROMPTS, 10, stop_at_eos=False)
+  assert [len(t) for t in out.token_ids] == [10, 3, 10]  # the 17-token prompt has room for 3 tokens in 20
+  assert out.finish_reasons == ["max_new_tokens", "context", "max_new_tokens"]
+  with pytest.raises(UserError, match="prompt 0 is 20 tokens.*context.*20"):
+    gen.generate([list(range(20))], 4)
+  for kwargs, match in [(dict(max_new_tokens=0), "at least 1"), (dict(sampling=generate.Sampling(-1.0)), "temperature"),
+                        (dict(sampling=generate.Sampling(1.0, top_p=0.0)), "top-p")]:
+    with pytest.raises(UserError, match=match):
+      gen.generate(PROMPTS, **{"max_new_tokens": 4, **kwargs})
+
+
+# --- a trained workdir: load_params and the command line ---
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("trained")
+  assert train.main(["--config", "configs/tiny.py", "--workdir", str(workdir), "--config.steps=4",
+                     "--config.seq_len=64", "--config.batch_size=8", "--config.eval_every=0",
+                     "--config.model.num_layers=2", "--config.log_every=2"]) == 0
+  return workdir
+
+
+def test_load_params_on_host_and_on_a_mesh(workdir):
+  host, meta = checkpoint.load_params(workdir)
+  assert meta["config"]["steps"] == 4 and isinstance(host["layers"]["attn"]["q"], np.ndarray)
+  assert host["layers"]["attn"]["q"].shape == (2, 128, 8, 16) and "opt_state" not in host
+  mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  sharded, _ = checkpoint.load_params(workdir, step=4, mesh=mesh)
+  assert sharded["layers"]["attn"]["q"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  jax.tree.map(np.testing.assert_array_equal, host, jax.device_get(sharded))
+  with pytest.raises(UserError, match="no complete checkpoint at step 3; it has steps 4"):
+    checkpoint.load_params(workdir, step=3)
+  with pytest.raises(UserError, match="no such directory"):
+    checkpoint.load_params(workdir / "missing")
+
+
+def test_cli_streams_text_and_prints_json(workdir, capsys):
+  # In-process (the test's 8 devices): a data=2 x tensor=4 mesh.
+  argv = ["--workdir", str(workdir), "--max-new-tokens", "12", "--config.cpu_devices=8",
+          "--config.mesh.data=2", "--config.mesh.tensor=4", "--config.sharding.rules=tp"]
+  assert generate.main([*argv, "--prompt", "def f(", "--json"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  assert {"completions", "token_ids", "prefill_tokens_per_sec", "decode_tokens_per_sec"} <= result.keys()
+  assert len(result["token_ids"][0]) == 12 or result["finish_reasons"][0] == "eos"
+  assert result["prefill_tokens_per_sec"] > 0 and result["decode_tokens_per_sec"] > 0
+  assert generate.main([*argv, "--prompt", "def f(", "--max-new-tokens", "40"]) == 0
+  streamed = capsys.readouterr()
+  assert "decode" in streamed.err and streamed.out.endswith("\n")
+  assert generate.main([*argv, "--prompt-ids", "100,101", "--prompt-ids", "35"]) == 0
+  lines = capsys.readouterr().out
+  assert "[0] " in lines and "[1] " in lines
+
+
+def test_cli_subprocess_one_device(workdir, tmp_path):
+  prompt = tmp_path / "prompt.txt"
+  prompt.write_text("import os\n")
+  proc = subprocess.run([sys.executable, "-m", "meshtrain.generate", "--workdir", str(workdir), "--prompt-file",
+                         str(prompt), "--max-new-tokens", "8", "--json"], capture_output=True, text=True,
+                        env=xla_fast.env(), timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert len(json.loads(proc.stdout)["completions"]) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
+    (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0 must be"),
+    (["--prompt", "x", "--top-p", "1.5"], "--top-p 1.5 must be in"),
+    (["--prompt", "x", "--step", "9"], "--step 9: .* has checkpoints at steps 4"),
+    (["--prompt", "x" * 64, "--config.cpu_devices=8"], "prompt 0 is 64 tokens, but the model's context"),
+    (["--prompt-ids", "1,x"], "--prompt-ids '1,x' must be comma-separated integers"),
+    (["--prompt", "x", "--config.model.num_layers=3"], "cannot be set for generation"),
+])
+def test_cli_bad_input_exits_2_with_one_line(workdir, capsys, args, message):
+  assert generate.main(["--workdir", str(workdir), *args]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1
+  import re
+  assert re.search(message, err), err
+
+
+def test_cli_missing_workdir(tmp_path, capsys):
+  assert generate.main(["--workdir", str(tmp_path / "none"), "--prompt", "x"]) == 2
+  assert "no such directory" in capsys.readouterr().err
