@@ -449,7 +449,10 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
   layers = _stacked_layers(params, model["num_layers"])
   dtype = np.asarray(params["embedding"]).dtype
   dtype_name = "bfloat16" if dtype.name == "bfloat16" else "float32"
-  q_scale = math.sqrt(E) if fan_in else None  # the forward pass multiplies w_q by sqrt(E): fold it in
+  # The forward pass multiplies w_q by sqrt(E): folded in, in float32. Exact for float32 weights and, stored as
+  # bfloat16, whenever sqrt(E) is a power of two (E = 16, 64, 256); else rounded once to bfloat16 (E = 128: within
+  # bfloat16's half-ulp, as the forward pass in a bfloat16 compute dtype would be too).
+  q_scale = math.sqrt(E) if fan_in else None
 
   def tensors():
     """(HF name, producer of its [out, in] numpy array): each built only when its shard is written."""
