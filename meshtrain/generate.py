@@ -433,8 +433,8 @@ class TextStream:
   """Prints completions as their tokens arrive. One prompt: its text, chunk by chunk. Several: each completion
   whole, under a `[i]` header, as soon as that row stops (rows stop at different times)."""
 
-  def __init__(self, generator: Generator, count: int, out=sys.stdout):
-    self.generator, self.count, self.out = generator, count, out
+  def __init__(self, generator: Generator, count: int, out=None):
+    self.generator, self.count, self.out = generator, count, out or sys.stdout
     self.printed = [""] * count
     self.finished = [False] * count
 

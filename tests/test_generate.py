@@ -144,7 +144,7 @@ def test_load_params_on_host_and_on_a_mesh(workdir):
   assert host["layers"]["attn"]["q"].shape == (2, 128, 8, 16) and "opt_state" not in host
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded, _ = checkpoint.load_params(workdir, step=4, mesh=mesh)
-  assert sharded["layers"]["attn"]["q"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  assert sharded["layers"]["attn"]["q"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   jax.tree.map(np.testing.assert_array_equal, host, jax.device_get(sharded))
   with pytest.raises(UserError, match="no complete checkpoint at step 3; it has steps 4"):
     checkpoint.load_params(workdir, step=3)
