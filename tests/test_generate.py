@@ -199,3 +199,14 @@ def test_cli_bad_input_exits_2_with_one_line(workdir, capsys, args, message):
 def test_cli_missing_workdir(tmp_path, capsys):
   assert generate.main(["--workdir", str(tmp_path / "none"), "--prompt", "x"]) == 2
   assert "no such directory" in capsys.readouterr().err
+
+
+def test_readme_example(workdir, capsys):
+  import pathlib
+  import re
+  readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  section = readme.split("\n## Generate\n", 1)[1].split("\n## ", 1)[0]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace('"runs/tiny"', repr(str(workdir)))
+  exec(compile(code, "README example", "exec"), {})
+  out = capsys.readouterr().out
+  assert "tokens/s" in out and "(1, 3, 384)" in out and "P(None, 'fsdp', 'tensor', None)" in out
