@@ -101,7 +101,8 @@ def check_mesh_uses_rules(mesh: Mesh, rules: Rules, has_experts: bool = False, p
   mixture-of-experts model, `stage` a pipelined one; `sequence` always splits the activations.
   """
   def splits_params(r: Rules, axis: str) -> bool:
-    return any(axis in _mesh_axes(v) for k, v in r if not k.startswith("act_"))
+    # Activations and the generation cache follow the parameters' layout; only parameter rules count.
+    return any(axis in _mesh_axes(v) for k, v in r if not k.startswith(("act_", "cache_")))
   for axis, size in mesh.shape.items():
     if size == 1 or axis in ("data", "sequence"):
       continue

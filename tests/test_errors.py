@@ -36,7 +36,7 @@ CASES = {  # extra arguments: fragments the message must contain
                          ["scan_unroll=2 with mesh.sequence=4", "deadlock", "scan_unroll=0"]),
     "bad attention": (["--config.model.attention=flash"], ["'model.attention' is 'flash'", "auto, blocked, xla, cudnn"]),
     "lr ratio": (["--config.optimizer.min_lr_ratio=2"], ["min_lr_ratio=2.0 must lie in [0, 1]"]),
-    "vocab": (["--config.model.vocab_size=256"], ["vocab_size=256 is too small for the byte tokenizer",
+    "vocab": (["--config.model.vocab_size=256"], ["model.vocab_size=256 is smaller than the vocabulary of the byte tokenizer, which has 259 ids",
                                                  "data.name=synthetic"]),
     "moe with zigzag": (["--config.model.num_experts=4", "--config.mesh.data=4", "--config.mesh.sequence=2"],
                         ["--config.sharding.causal_load_balance=false"]),
