@@ -199,6 +199,7 @@ class KVCache:
   start_B: jax.Array  # int32 [B]
   end: jax.Array      # int32 scalar
 
+
 def init_cache(c: ModelConfig, batch: int, length: int, start_B) -> KVCache:
   """An empty cache of `length` slots for `batch` rows whose own tokens start at slot start_B (compute dtype),
   stacked for a scanned model (c.scan_layers), per layer otherwise."""
