@@ -73,7 +73,7 @@ def test_scanned_layer_stack_decodes_the_same(params, reference):
   # The cache with a leading layer axis, carried through nn.scan (Generator's default unrolls the layers).
   scanned = one_device(params, scan_layers=True)
   prefill, _ = scanned._programs(3, 32, NEW, generate.Sampling(), False)
-  assert prefill.out_info["cache"].k_NBSKE.shape == (MODEL.num_layers, 3, 32 + NEW - 1, 8, 8)
+  assert prefill.out_info["cache"].k_NBKSE.shape == (MODEL.num_layers, 3, 8, 32 + NEW - 1, 8)
   assert scanned.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
 
 
@@ -83,9 +83,9 @@ def test_kv_cache_greedy_equals_full_recompute_on_meshes(params, reference, layo
   mesh = mesh_lib.make_mesh(sizes)
   gen = generate.Generator(params, MODEL, mesh=mesh, rules=sharding.rules_for(rules), num_ids=MODEL.vocab_size)
   prefill, _ = gen._programs(8, 32, NEW, generate.Sampling(), False)  # the program generate() below runs
-  cache_spec = prefill.output_shardings["cache"].k_NBSKE[0].spec  # layer 0's [B, S, K, E]
+  cache_spec = prefill.output_shardings["cache"].k_NBKSE[0].spec  # layer 0's [B, K, S, E]
   # The cache is sharded like the activations it holds: rows over the batch axes, kv heads over tensor.
-  expected = {"data=8": ("data",), "fsdp=8": ("fsdp",), "tensor=8": (None, None, "tensor")}[layout]
+  expected = {"data=8": ("data",), "fsdp=8": ("fsdp",), "tensor=8": (None, "tensor")}[layout]
   assert tuple(cache_spec)[:len(expected)] == expected
   assert gen.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
 

@@ -111,23 +111,26 @@ def blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, blocks: int):
   return jnp.concatenate(outs, axis=1)
 
 
-def cached_attention(q_BLHE, k_BSKE, v_BSKE, start_B, end):
+def cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end):
   """Attention of L new tokens over a key/value cache of S slots, for generation (no gradient is taken).
 
   The new tokens sit at slots end..end+L-1 and their keys are already written there. Row b's own tokens start at
   slot start_B[b] (left padding before it): query i sees slots start_B[b]..end+i. It always sees its own slot, so
   a padding query (in a prefill of left-padded prompts) has one key instead of none (no 0/0); what it computes is
   never read. Grouped heads without repeating the cache G times: head h reads kv head h // G, as in
-  `causal_attention`. Scores and softmax in float32.
+  `causal_attention`. The cache is [B, K, S, E] and the queries are moved to [B, K, G*L, E], so both matmuls batch
+  over the leading (B, K) and no cache-sized array is transposed. Scores and softmax in float32.
   """
   B, L, H, E = q_BLHE.shape
-  S, K = k_BSKE.shape[1], k_BSKE.shape[2]
-  q_BLKGE = (q_BLHE * jnp.asarray(1 / np.sqrt(E), q_BLHE.dtype)).reshape(B, L, K, H // K, E)
-  s_BKGLS = jnp.einsum("BLKGE,BSKE->BKGLS", q_BLKGE, k_BSKE.astype(q_BLHE.dtype), preferred_element_type=jnp.float32)
+  K, S = k_BKSE.shape[1], k_BKSE.shape[2]
+  G = H // K
+  q_BLHE = q_BLHE * jnp.asarray(1 / np.sqrt(E), q_BLHE.dtype)
+  q_BKGLE = q_BLHE.reshape(B, L, K, G, E).transpose(0, 2, 3, 1, 4)
+  s_BKGLS = jnp.einsum("BKGLE,BKSE->BKGLS", q_BKGLE, k_BKSE.astype(q_BLHE.dtype), preferred_element_type=jnp.float32)
   slot_L = end + jnp.arange(L)
   key_S = jnp.arange(S)
   visible_BLS = ((key_S[None, None, :] >= start_B[:, None, None]) & (key_S[None, None, :] <= slot_L[None, :, None])
                  | (key_S[None, None, :] == slot_L[None, :, None]))
   p_BKGLS = jax.nn.softmax(jnp.where(visible_BLS[:, None, None], s_BKGLS, -jnp.inf), axis=-1)
-  o_BLKGE = jnp.einsum("BKGLS,BSKE->BLKGE", p_BKGLS.astype(v_BSKE.dtype), v_BSKE)
-  return o_BLKGE.reshape(B, L, H, E).astype(q_BLHE.dtype)
+  o_BKGLE = jnp.einsum("BKGLS,BKSE->BKGLE", p_BKGLS.astype(v_BKSE.dtype), v_BKSE)
+  return o_BKGLE.transpose(0, 3, 1, 2, 4).reshape(B, L, H, E).astype(q_BLHE.dtype)

@@ -182,9 +182,12 @@ def _rotary_per_row(x_BLHE, pos_BL, theta: float):
   return out_BLH2F.reshape(B, L, H, E).astype(x_BLHE.dtype)
 
 
-# Logical axes of the key/value cache ([layers, batch, slots, kv heads, head dim]); meshtrain/sharding.py maps them
-# like the activations they hold: the batch over the batch axes, kv heads over `tensor`.
-CACHE_AXES = ("cache_layers", "cache_batch", "cache_len", "cache_kv_heads", "cache_head_dim")
+# Logical axes of the key/value cache ([layers, batch, kv heads, slots, head dim]); meshtrain/sharding.py maps them
+# like the activations they hold: the batch over the batch axes, kv heads over `tensor`. Heads before slots: the
+# attention's matmuls batch over (batch, kv head), which XLA's CPU backend wants leading; stored [B, S, K, E], every
+# layer's cache was transposed (copied, three times over for k and v) every token: at the 125m shape, batch 8, more
+# bytes than the weights.
+CACHE_AXES = ("cache_layers", "cache_batch", "cache_kv_heads", "cache_len", "cache_head_dim")
 
 
 @flax.struct.dataclass
@@ -192,10 +195,10 @@ class KVCache:
   """Keys and values of every layer, for generation. Slots [0, end) are filled; row b's own tokens start at slot
   start_B[b] (left padding before it, never attended to), so every row writes its next token at the same slot
   `end` (one dynamic_update_slice for the batch) while its rotary position is its own: slot - start_B[b].
-  k_NBSKE[i] is layer i's [B, S, K, E]: one stacked array under a scanned layer stack (the layer axis leads, as
+  k_NBKSE[i] is layer i's [B, K, S, E]: one stacked array under a scanned layer stack (the layer axis leads, as
   in the weights), a tuple of per-layer arrays for unrolled layers (each updated in place, never restacked)."""
-  k_NBSKE: jax.Array | tuple
-  v_NBSKE: jax.Array | tuple
+  k_NBKSE: jax.Array | tuple
+  v_NBKSE: jax.Array | tuple
   start_B: jax.Array  # int32 [B]
   end: jax.Array      # int32 scalar
 
@@ -203,7 +206,7 @@ class KVCache:
 def init_cache(c: ModelConfig, batch: int, length: int, start_B) -> KVCache:
   """An empty cache of `length` slots for `batch` rows whose own tokens start at slot start_B (compute dtype),
   stacked for a scanned model (c.scan_layers), per layer otherwise."""
-  shape = (batch, length, c.num_kv_heads, c.head_dim)
+  shape = (batch, c.num_kv_heads, length, c.head_dim)
   if c.scan_layers:
     zeros = lambda: nn.with_logical_constraint(jnp.zeros((c.num_layers, *shape), c.dtype), CACHE_AXES)
   else:
@@ -217,7 +220,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BLD, pos_L, kv=None, slots=None):
-    """[B, L, D] -> [B, L, D]. Generation passes this layer's cache `kv` ([B, S, K, E] keys and values) and
+    """[B, L, D] -> [B, L, D]. Generation passes this layer's cache `kv` ([B, K, S, E] keys and values) and
     `slots` (KVCache's start_B and end), positions [B, L]; it then returns the output and the updated cache."""
     c = self.cfg
     D, H, K, E = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
@@ -245,14 +248,13 @@ class Attention(nn.Module):
     k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     if kv is not None:
-      (k_BSKE, v_BSKE), (start_B, end) = kv, slots
-      write = lambda cache_BSKE, new_BLKE: nn.with_logical_constraint(
-          jax.lax.dynamic_update_slice(cache_BSKE, new_BLKE.astype(cache_BSKE.dtype), (0, end, 0, 0)),
-          CACHE_AXES[1:])
-      k_BSKE, v_BSKE = write(k_BSKE, k_BLKE), write(v_BSKE, v_BLKE)
-      o_BLHE = attention.cached_attention(q_BLHE, k_BSKE, v_BSKE, start_B, end)
+      (k_BKSE, v_BKSE), (start_B, end) = kv, slots
+      write = lambda cache_BKSE, new_BLKE: nn.with_logical_constraint(jax.lax.dynamic_update_slice(
+          cache_BKSE, new_BLKE.transpose(0, 2, 1, 3).astype(cache_BKSE.dtype), (0, 0, end, 0)), CACHE_AXES[1:])
+      k_BKSE, v_BKSE = write(k_BKSE, k_BLKE), write(v_BKSE, v_BLKE)
+      o_BLHE = attention.cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end)
       o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
-      return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BSKE, v_BSKE)
+      return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BKSE, v_BKSE)
     if axis := context_axis():
       # The sequence is split over devices: each holds a chunk of queries and must see every earlier key.
       pos_BL = jnp.broadcast_to(pos_L, q_BLHE.shape[:2])
@@ -380,20 +382,20 @@ class Transformer(nn.Module):
     x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_res_len", "act_embed"))
     slot_L = cache.end + jnp.arange(tokens_BL.shape[1], dtype=jnp.int32)
     pos_BL = slot_L[None, :] - cache.start_B[:, None]  # each row counts from its own first token
-    kv, slots = (cache.k_NBSKE, cache.v_NBSKE), (cache.start_B, cache.end)
+    kv, slots = (cache.k_NBKSE, cache.v_NBKSE), (cache.start_B, cache.end)
     if c.scan_layers:
       stack = nn.scan(Block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, 0, nn.broadcast), length=c.num_layers, unroll=unrolled_layers(c),
                       metadata_params={nn.PARTITION_NAME: "layers"})
-      x_BLD, (k_NBSKE, v_NBSKE) = stack(c, name="layers")(x_BLD, pos_BL, kv, slots)
-      k_NBSKE, v_NBSKE = (nn.with_logical_constraint(a, CACHE_AXES) for a in (k_NBSKE, v_NBSKE))
+      x_BLD, (k_NBKSE, v_NBKSE) = stack(c, name="layers")(x_BLD, pos_BL, kv, slots)
+      k_NBKSE, v_NBKSE = (nn.with_logical_constraint(a, CACHE_AXES) for a in (k_NBKSE, v_NBKSE))
     else:
       ks, vs = [], []
       for i in range(c.num_layers):
-        x_BLD, (k_BSKE, v_BSKE) = Block(c, name=f"layer_{i}")(x_BLD, pos_BL, (kv[0][i], kv[1][i]), slots)
-        ks.append(k_BSKE)
-        vs.append(v_BSKE)
-      k_NBSKE, v_NBSKE = tuple(ks), tuple(vs)
+        x_BLD, (k_BKSE, v_BKSE) = Block(c, name=f"layer_{i}")(x_BLD, pos_BL, (kv[0][i], kv[1][i]), slots)
+        ks.append(k_BKSE)
+        vs.append(v_BKSE)
+      k_NBKSE, v_NBKSE = tuple(ks), tuple(vs)
     x_B1D = RMSNorm(c, name="final_norm")(x_BLD[:, -1:])
     if c.tie_embeddings:
       logits_B1V = dense(x_B1D, embed_VD.astype(c.dtype), "D,VD->V")
@@ -404,5 +406,5 @@ class Transformer(nn.Module):
                       c.init, FanIn())
       logits_B1V = dense(x_B1D, head_DV.astype(c.dtype), "D,DV->V")
     logits_B1V = nn.with_logical_constraint(logits_B1V.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
-    new_cache = cache.replace(k_NBSKE=k_NBSKE, v_NBSKE=v_NBSKE, end=cache.end + tokens_BL.shape[1])
+    new_cache = cache.replace(k_NBKSE=k_NBKSE, v_NBKSE=v_NBKSE, end=cache.end + tokens_BL.shape[1])
     return logits_B1V, new_cache
