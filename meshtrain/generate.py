@@ -37,11 +37,14 @@ class Sampling:
   top_k: int = 0
   top_p: float = 1.0
 
-  def check(self, vocab_size: int) -> None:
+  def check(self, vocab_size: int | None) -> None:
+    """UserError for a setting that cannot sample; `vocab_size` None: not known yet (before the model is read)."""
     if not (self.temperature >= 0 and np.isfinite(self.temperature)):
       raise UserError(f"--temperature {self.temperature} must be a finite number >= 0 (0: greedy)")
-    if not 0 <= self.top_k <= vocab_size:
-      raise UserError(f"--top-k {self.top_k} must be between 0 (off) and the vocabulary size {vocab_size}")
+    if self.top_k < 0:
+      raise UserError(f"--top-k {self.top_k} must be 0 (off) or a positive number of ids")
+    if vocab_size is not None and self.top_k > vocab_size:
+      raise UserError(f"--top-k {self.top_k} must be at most the vocabulary size {vocab_size}")
     if not 0 < self.top_p <= 1:
       raise UserError(f"--top-p {self.top_p} must be in (0, 1] (1: off)")
 
@@ -377,7 +380,7 @@ def parse_args(argv: list[str]):
     raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
   if args.max_len is not None and args.max_len < 2:
     raise UserError(f"--max-len {args.max_len} must be at least 2 (one prompt token and one new token)")
-  Sampling(args.temperature, args.top_k, args.top_p).check(vocab_size=sys.maxsize)
+  Sampling(args.temperature, args.top_k, args.top_p).check(vocab_size=None)
   workdir = pathlib.Path(args.workdir).expanduser()
   from meshtrain import checkpoint
   steps = checkpoint.checkpoint_steps(workdir)

@@ -183,6 +183,7 @@ def test_cli_subprocess_one_device(workdir, tmp_path):
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0 must be"),
     (["--prompt", "x", "--top-p", "1.5"], "--top-p 1.5 must be in"),
+    (["--prompt", "x", "--top-k", "-1"], "--top-k -1 must be 0"),
     (["--prompt", "x", "--step", "9"], "--step 9: .* has checkpoints at steps 4"),
     (["--prompt", "x" * 64, "--config.cpu_devices=8"], "prompt 0 is 64 tokens, but the model's context"),
     (["--prompt-ids", "1,x"], "--prompt-ids '1,x' must be comma-separated integers"),
