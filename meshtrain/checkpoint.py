@@ -355,7 +355,7 @@ class _BackgroundOutput:
     self.step = None
     self._lock = threading.Lock()
     self._files = {}
-    self._router = self._filter = self._asyncio_filter = None
+    self._router = self._filter = None
 
   def log_path(self, step) -> pathlib.Path:
     return self.directory / f"save-step{step}-process{jax.process_index()}.log"
@@ -382,22 +382,17 @@ class _BackgroundOutput:
     sys.stderr = self._router
     self._filter = _ForeignRecords(self)
     logging.getLogger("absl").addFilter(self._filter)
-    # A failed write leaves Orbax's asyncio.gather futures holding exceptions nobody retrieves; asyncio logs that,
-    # with a traceback, when garbage collection reaches them, in whichever thread that happens, often the main one.
-    # meshtrain itself does not use asyncio, so every asyncio record is Orbax's and goes to the log.
-    self._asyncio_filter = _ForeignRecords(self, every_thread=True)
-    logging.getLogger("asyncio").addFilter(self._asyncio_filter)
+    _ASYNCIO_RECORDS.sink = self
+    logging.getLogger("asyncio").addFilter(_ASYNCIO_RECORDS)  # once: a filter already there is not added again
 
   def uninstall(self) -> None:
     if self._router is None:
       return
-    gc.collect()  # the futures of a failed save are collected, and logged, while asyncio's records still go to the log
     logging.getLogger("absl").removeFilter(self._filter)
-    logging.getLogger("asyncio").removeFilter(self._asyncio_filter)
     if sys.stderr is self._router:
       sys.stderr = self._router.terminal
     self._router.close()
-    self._router = self._filter = self._asyncio_filter = None
+    self._router = self._filter = None
     with self._lock:
       for f in self._files.values():
         f.close()
@@ -435,19 +430,43 @@ class _StderrRouter:
 
 
 class _ForeignRecords(logging.Filter):
-  """On the `absl` logger: records from Orbax's threads are written to the log and go no further; with
-  every_thread (the `asyncio` logger) records from all threads are."""
+  """On the `absl` logger: records from Orbax's threads are written to the log and go no further."""
 
-  def __init__(self, sink: _BackgroundOutput, every_thread: bool = False):
+  def __init__(self, sink: _BackgroundOutput):
     super().__init__()
-    self._sink, self._every_thread = sink, every_thread
+    self._sink = sink
     self._format = logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(message)s")
 
   def filter(self, record) -> bool:
-    if not (self._every_thread or self._sink.foreign()):
+    if not self._sink.foreign():
       return True
     self._sink.write(self._format.format(record) + "\n")
     return False
+
+
+class _AsyncioRecords(logging.Filter):
+  """On the `asyncio` logger from the first save on, for the life of the process: records go to the log of the
+  latest Checkpointer's save.
+
+  A failed write leaves Orbax's asyncio tasks and gather futures holding exceptions nobody retrieves; asyncio logs
+  each, traceback and all, when garbage collection reaches it: in whichever thread that happens, and often only
+  after close() (the save threads' event loops still hold them) or at interpreter exit, when the stderr router is
+  long gone. meshtrain does not use asyncio, so its records are Orbax's.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.sink = None
+    self._format = logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(message)s")
+
+  def filter(self, record) -> bool:
+    if self.sink is None:
+      return True
+    self.sink.write(self._format.format(record) + "\n")
+    return False
+
+
+_ASYNCIO_RECORDS = _AsyncioRecords()
 
 
 @contextlib.contextmanager
