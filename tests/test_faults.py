@@ -46,8 +46,21 @@ def snapshot(workdir):
           for p in sorted(workdir.rglob("*")) if p.is_file() and p.name != "meshtrain.lock"}
 
 
+def stop_and_check_history(first, workdir):
+  """Preempts `first` (a long run the test raced against) and checks it kept one whole history: every step from 1
+  once and in order, the checkpoint of the step it stopped at, its own config."""
+  first.send_signal(signal.SIGTERM)
+  out, err = first.communicate(timeout=300)
+  assert first.returncode == 0 and "preempted: saved step" in out + err, err[-2000:]
+  steps = metrics_steps(workdir)
+  assert steps == list(range(1, steps[-1] + 1)) and steps_on_disk(workdir)[-1] == steps[-1]
+  assert json.loads((workdir / "config.json").read_text())["seed"] == 0
+
+
 def test_second_run_on_a_workdir_is_refused_and_the_first_is_untouched(tmp_path):
-  first = start(tmp_path)
+  # The first run is long and preempted at the end: with 16 steps it could finish on a loaded machine before the
+  # second one reaches the lock, which would then (rightly) be free.
+  first = start(tmp_path, "--config.steps=100000")
   wait_for_step(tmp_path, 2, first)
   t0 = time.monotonic()
   second = run(tmp_path, "--config.seed=1")
@@ -56,11 +69,7 @@ def test_second_run_on_a_workdir_is_refused_and_the_first_is_untouched(tmp_path)
   line = one_line_error(second, "another run is using", f"pid {first.pid}", f"host {socket.gethostname()}", "started")
   # before building, restoring or compiling anything (the time bound is loose: CI's 2 cores run other tests too)
   assert "mesh:" not in second.stdout and refused_in < 60, (refused_in, second.stdout)
-  out, err = first.communicate(timeout=300)
-  assert first.returncode == 0 and "done: step 16" in out, err[-2000:]
-  assert metrics_steps(tmp_path) == list(range(1, 17))  # the whole history of one run, in order, once
-  assert json.loads((tmp_path / "config.json").read_text())["seed"] == 0
-  assert steps_on_disk(tmp_path) == [4, 8, 12, 16]
+  stop_and_check_history(first, tmp_path)
 
 
 def test_kill9_leaves_no_stale_lock(tmp_path):
@@ -225,7 +234,7 @@ def test_repeated_ctrl_c_while_saving_still_saves_and_plots(tmp_path):
 def test_every_process_of_a_refused_multi_process_run_stops(tmp_path):
   # Without a launcher (as under srun): process 0 is refused the lock, and process 1 must stop by itself too,
   # not wait for its peer at the first collective.
-  first = start(tmp_path)
+  first = start(tmp_path, "--config.steps=100000")  # long, then preempted: it must hold the lock throughout
   wait_for_step(tmp_path, 2, first)
   address = f"127.0.0.1:{free_port()}"
   procs = [subprocess.Popen([sys.executable, "-m", "meshtrain.train", *command(tmp_path)[3:], "--config.cpu_devices=4"],
@@ -236,5 +245,4 @@ def test_every_process_of_a_refused_multi_process_run_stops(tmp_path):
   assert [p.returncode for p in procs] == [2, 2], errs
   one_line_error(errs[0], "another run is using", f"pid {first.pid}")
   one_line_error(errs[1], "process 0 could not lock")
-  first.communicate(timeout=300)
-  assert first.returncode == 0 and metrics_steps(tmp_path) == list(range(1, 17))
+  stop_and_check_history(first, tmp_path)
