@@ -26,7 +26,7 @@ def test_quickstart_trains(tmp_path):
 
 
 def test_test_command_is_what_ci_runs():
-  section = README.split("Run the tests:", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
+  section = README.split("Run the tests", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
   assert section in (pathlib.Path(__file__).parents[1] / ".ci" / "run").read_text()
 
 
