@@ -544,7 +544,7 @@ def byte_tokenizer_json() -> str:
   characters back into bytes (invalid UTF-8 -> U+FFFD, as meshtrain's decode)."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
   from meshtrain.data import tokenizer as byte
-  alphabet = _bytes_to_unicode()
+  alphabet = byte.byte_level_alphabet()
   tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tok.decoder = decoders.ByteLevel()
@@ -554,19 +554,6 @@ def byte_tokenizer_json() -> str:
     tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
     assert tok.token_to_id(text) == expected_id, (text, tok.token_to_id(text))
   return tok.to_str(pretty=True)
-
-
-def _bytes_to_unicode() -> dict:
-  """GPT-2's byte -> printable character table, the one tokenizers' ByteLevel pre-tokenizer applies."""
-  printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-  chars, extra = {}, 0
-  for b in range(256):
-    if b in printable:
-      chars[b] = chr(b)
-    else:
-      chars[b] = chr(256 + extra)
-      extra += 1
-  return chars
 
 
 def run_tokenizer(workdir: pathlib.Path, record: dict):

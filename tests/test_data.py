@@ -151,7 +151,7 @@ def test_bpe_source_packs_the_tokenized_stream(stdlib_dir, tmp_path, monkeypatch
   monkeypatch.undo()
   def read_only(path):
     raise PermissionError(13, "Permission denied", str(path))
-  monkeypatch.setattr(pipeline, "_file_lock", read_only)
+  monkeypatch.setattr(pipeline.tokenizer, "file_lock", read_only)  # the lock is the first write
   uncached = make_source(make_cfg(stdlib_dir, seq_len=seq_len), "validation[:5]", shuffle=False, tok=tok)
   first = np.concatenate([np.append(tok.encode(text), tok.eos_id) for text in texts[:5]])
   assert uncached.num_tokens == len(first) and (uncached.rows(0, 2)["inputs"].reshape(-1) == first[:2 * seq_len]).all()

@@ -24,8 +24,6 @@ tensorflow_datasets and grain are imported only when a TFDS source is made or ba
 `synthetic` runs where they are not installed (the GPU machines; there one background thread prefetches).
 """
 import concurrent.futures
-import contextlib
-import fcntl
 import functools
 import hashlib
 import io
@@ -236,7 +234,7 @@ class TfdsSource(Source):
     if loaded is not None:
       return loaded
     try:
-      with _file_lock(path.with_name(f".{path.name}.lock")):
+      with tokenizer.file_lock(path.with_name(f".{path.name}.lock")):
         loaded = _load_token_cache(path, tokens_path, count, dtype)  # another process may have built it meanwhile
         if loaded is None:
           self._write_token_cache(data_source, path, tokens_path, dtype)
@@ -397,18 +395,6 @@ def _load_token_cache(offsets_path, tokens_path, count: int, dtype):
   except (OSError, ValueError) as e:
     log.warning("ignoring unreadable token cache %s: %s", tokens_path, e)
   return None
-
-
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path):
-  """An exclusive flock on `path`: one process on a host (or a file system with locks) builds a cache at a time."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "w") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # --- making sources ------------------------------------------------------------------------------------------

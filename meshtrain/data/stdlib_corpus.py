@@ -4,8 +4,6 @@ It needs no download, so training works offline out of the box, and because it i
 read by the same code path as any other TFDS text dataset. The split is fixed per file by a stable hash of its
 path, so a given interpreter always yields the same train/validation sets.
 """
-import contextlib
-import fcntl
 import hashlib
 import os
 import pathlib
@@ -13,6 +11,7 @@ import sysconfig
 
 import tensorflow_datasets as tfds
 
+from meshtrain.data import tokenizer
 from meshtrain.errors import UserError
 
 NAME = "python_stdlib"
@@ -79,18 +78,6 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
       yield rel, {"text": text, "path": rel}
 
 
-@contextlib.contextmanager
-def _build_lock(data_dir: pathlib.Path, name: str):
-  # Several processes on one host may start at once; TFDS's rename of its temp dir would fail for the loser.
-  data_dir.mkdir(parents=True, exist_ok=True)
-  with open(data_dir / f".{name}.lock", "w") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def build(data_dir: str = "", builder_class=PythonStdlib):
   """Builds the dataset under `data_dir` ("" = TFDS default) unless it is already there; returns the builder.
   `builder_class`: another dataset made from the same local files (meshtrain/data/sft.py's)."""
@@ -109,7 +96,8 @@ def build(data_dir: str = "", builder_class=PythonStdlib):
       raise UserError(f"{where} is not writable ({existing} is read-only for this user), and the {name} dataset is "
                       f"not built there yet (it is built on first use); {fix}")
     try:
-      with _build_lock(root, name):
+      # Several processes on one host may start at once; TFDS's rename of its temp dir would fail for the loser.
+      with tokenizer.file_lock(root / f".{name}.lock"):
         # A no-op ("Reusing dataset") when another process finished the build while we waited for the lock.
         builder_class(data_dir=data_dir or None).download_and_prepare()
     except OSError as e:

@@ -132,8 +132,9 @@ class ByteTokenizer(Tokenizer):
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_level_decoding() -> dict[str, int]:
-  """GPT-2's byte-level BPE alphabet: the printable character that stands for each byte, inverted."""
+def byte_level_alphabet() -> dict[int, str]:
+  """GPT-2's byte-level BPE alphabet (the table tokenizers' ByteLevel pre-tokenizer applies): the printable
+  character that stands for each byte."""
   printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
   chars, extra = {}, 0
   for b in range(256):
@@ -142,7 +143,13 @@ def _byte_level_decoding() -> dict[str, int]:
     else:
       chars[b] = chr(256 + extra)
       extra += 1
-  return {c: b for b, c in chars.items()}
+  return chars
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoding() -> dict[str, int]:
+  """The byte-level alphabet inverted: character -> the byte it stands for."""
+  return {c: b for b, c in byte_level_alphabet().items()}
 
 
 def _uses(component, kind: str) -> bool:
@@ -438,7 +445,9 @@ def train_bpe(texts, vocab_size: int, out_dir: pathlib.Path, length: int | None 
 
 
 @contextlib.contextmanager
-def _lock(path: pathlib.Path):
+def file_lock(path: pathlib.Path):
+  """An exclusive flock on `path`: one process on a host (or on a file system with locks) builds a cache at a time
+  (the BPE, the token cache, the locally built datasets); the others wait, then find it built."""
   path.parent.mkdir(parents=True, exist_ok=True)
   with open(path, "w") as f:
     fcntl.flock(f, fcntl.LOCK_EX)
@@ -465,7 +474,7 @@ def for_config(cfg) -> Tokenizer:
              f"bpe{vocab_size}-{slug}-{cfg.data.text_key}")
   if (out_dir / HF_FILE).is_file():
     return load(out_dir)
-  with _lock(out_dir.with_name(f".{out_dir.name}.lock")):
+  with file_lock(out_dir.with_name(f".{out_dir.name}.lock")):
     if not (out_dir / HF_FILE).is_file():  # another process may have trained it while we waited
       t0 = time.perf_counter()
       train_bpe(texts, vocab_size, out_dir, length=len(texts))
