@@ -80,7 +80,8 @@ def base_config() -> ml_collections.ConfigDict:
   # converted Hugging Face model (python -m meshtrain.convert from-hf): fresh optimizer, step 0, this run's data.
   # Ignored (and logged) once this run's workdir has checkpoints of its own: those resume.
   c.init_from = ""
-  c.compilation_cache_dir = "~/.cache/meshtrain/xla"  # persistent XLA cache: a rerun skips compiling; "" disables
+  # Persistent XLA cache: a rerun skips compiling; "" disables. GPU/TPU only (see runtime.start for the CPU).
+  c.compilation_cache_dir = "~/.cache/meshtrain/xla"
   c.profile_steps = ""          # e.g. "20-24": jax.profiler trace of those steps in WORKDIR/profile (TensorBoard, Perfetto)
   c.xla_flags = ""              # extra XLA flags, after meshtrain's GPU defaults and $XLA_FLAGS (later flags win)
 

@@ -99,12 +99,20 @@ def start(cfg) -> None:
   from meshtrain import mesh  # imports jax: only after XLA_FLAGS is final
   mesh.simulate_cpu_devices(cfg.cpu_devices)
   import jax
-  if cfg.compilation_cache_dir:
-    # Restarts after preemption or a crash recompile the same program: fetch it from disk instead.
+  if settings is not None:
+    _initialize_distributed(jax, cfg, settings)
+  # Restarts after preemption or a crash recompile the same program: fetch it from disk instead. Not on the CPU:
+  # there XLA aborts the process on some multi-device programs loaded from the cache ("rendezvous.h: Check failed:
+  # id < num_threads (14 vs. 8) ... collective permute ... op_id=1": two collective-permutes of the deserialized
+  # program share one rendezvous), e.g. the 4-shard ring attention of tests/test_context_attention.py, every time
+  # (tests/test_runtime.py). CI, whose cache outlives a run, lost a worker to it. jax/jaxlib 0.10.2; GPUs run
+  # collectives through NCCL, not this code.
+  if cfg.compilation_cache_dir and jax.default_backend() != "cpu":
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  if settings is None:
-    return
+
+
+def _initialize_distributed(jax, cfg, settings: dict) -> None:
   timeout = cfg.distributed.init_timeout_s
   where = settings.get("coordinator_address", "the coordinator found by SLURM / Open MPI")
   message = (f"the JAX distributed runtime did not start: not all {settings.get('num_processes', '')} processes "

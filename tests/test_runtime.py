@@ -1,6 +1,7 @@
 """Where the process count comes from, the XLA flags meshtrain sets, and the shipped cluster examples."""
 import pathlib
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -88,3 +89,30 @@ def test_cluster_examples_are_well_formed():
   assert env["MESHTRAIN_NUM_PROCESSES"] == str(job["spec"]["completions"])
   assert env["JAX_COORDINATOR_ADDRESS"].startswith(f"{job['metadata']['name']}-0.{pod['subdomain']}:")
   assert pod["containers"][0]["command"][:3] == ["python", "-m", "meshtrain.train"]
+
+
+# XLA's CPU runtime aborts on this program when it comes from the persistent compilation cache (jax 0.10.2): ring
+# and all-gather attention over 4 sequence shards, outputs and gradients (tests/test_context_attention.py).
+RING_FROM_CACHE = """
+import sys
+from meshtrain import config, runtime
+cfg = config.base_config()
+cfg.compilation_cache_dir = sys.argv[1]
+runtime.start(cfg)
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # cache it however fast it compiles (if on)
+sys.path.insert(0, "tests")
+import test_context_attention as t
+inputs, perm = t.inputs.__wrapped__(), t._order("contiguous", 4)
+out = t._compiled(4, True)(*inputs, jnp.asarray(perm, jnp.int32), jnp.asarray(np.argsort(perm, axis=1), jnp.int32))
+print(jax.tree.reduce(lambda a, b: a + float(jnp.abs(b).sum()), out, 0.0))
+"""
+
+
+def test_cpu_programs_never_come_from_the_persistent_cache(tmp_path):
+  """runtime.start leaves the persistent cache off on the CPU: the second run of a ring program would abort."""
+  import xla_fast
+  runs = [subprocess.run([sys.executable, "-c", RING_FROM_CACHE, str(tmp_path / "cache")], capture_output=True, text=True,
+                         env=xla_fast.env(), cwd=ROOT, timeout=300) for _ in range(2)]
+  assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
+  assert runs[0].stdout == runs[1].stdout
