@@ -1,0 +1,51 @@
+"""Tasks: everything the train loop, layout, bench, inspect and plan need to know about a model family.
+
+The loop knows no model. It asks its task for the model, the batch the data must produce, the loss, the eval
+sums and the FLOPs per example. Two families today:
+  lm   a causal language model (Llama, optionally mixture-of-experts): meshtrain/tasks/lm.py
+  dit  a class-conditional diffusion transformer on images (rectified flow): meshtrain/tasks/dit.py
+A third family is a new module here plus its name in KINDS; the loop, layout, checkpoints, launcher, planner and
+fault handling serve it unchanged.
+
+Contract (each task module defines a class with these members, built by `build(cfg, mesh, platform)`):
+
+  kind: str                      "lm" | "dit": `cfg.task`, recorded in every checkpoint's meta as "task"
+  model: flax.linen.Module       every parameter tagged with logical axes (meshtrain/models/params.py `param`)
+  shape_fields: tuple[str, ...]  cfg.model fields that fix the parameter shapes: resume needs them equal
+  throughput_key: str            the metrics.jsonl throughput name: "tokens_per_sec" | "images_per_sec"
+  units_per_example: int         tokens (LM: seq_len) or images (DiT: 1) per batch row, for that throughput
+
+  batch_spec(batch_size) -> dict[str, jax.ShapeDtypeStruct]
+      Global shape and dtype of every array of one batch (no sharding). The data source must produce exactly
+      these keys; row r of every array belongs to example r.
+  batch_axes() -> dict[str, tuple[str | None, ...]]
+      Logical axes of each batch array, first "act_batch" (e.g. ("act_batch", "act_len") for tokens,
+      ("act_batch", None, None, None) for images); layout turns them into shardings with the rules.
+  init_args(batch_size) -> tuple
+      The arguments after the PRNG key that `model.init` takes, as arrays (zeros) of a batch_size batch.
+  loss(params, batch) -> (objective, aux)
+      Pure and jittable. `objective` (float32 scalar) is what is differentiated: a SUM over the batch's examples
+      (or tokens); the train step divides the gradients by the total count (so gradient accumulation equals one
+      big batch). aux = {"loss_sum": float32, "count": float32, **metrics}: loss_sum / count is the logged loss;
+      any other scalars (e.g. MoE router statistics) are logged as they are. Randomness (noise, timesteps,
+      label dropout) comes from per-row seeds in the batch, so a batch is a pure function of (seed, step) and
+      the loss of a row does not depend on the layout, the micro-batching or the process count.
+  eval_sums(params, batch, extra) -> dict[str, float32 scalar]
+      Pure and jittable sums over one eval batch; the loop adds them over cfg.eval_batches batches.
+      `extra` is `eval_extra(...)`'s value, passed in replicated (the LM's bytes-per-id table; DiT: None).
+  eval_record(sums: dict[str, float]) -> dict[str, float]
+      Host side: the summed eval_sums as metrics.jsonl fields, at least "eval_loss".
+  flops_per_example(table: list[sharding.ParamRow]) -> float
+      Model FLOPs of one training example (forward and backward, matmuls and attention, by formula): the MFU
+      numerator, shared by the loop, bench, inspect and plan.
+"""
+KINDS = ("lm", "dit")
+
+
+def build(cfg, mesh, platform: str | None = None):
+  """The task of `cfg.task` for `mesh`: model-specific layout checks happen here (a UserError before compiling)."""
+  if cfg.task == "dit":
+    from meshtrain.tasks import dit  # pylint: disable=g-import-not-at-top
+    return dit.DitTask(cfg, mesh, platform)
+  from meshtrain.tasks import lm  # pylint: disable=g-import-not-at-top
+  return lm.LmTask(cfg, mesh, platform)
