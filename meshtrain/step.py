@@ -1,7 +1,7 @@
-"""Pure step functions: loss, train step (with gradient accumulation), eval step.
+"""The pure train step (with gradient accumulation and non-finite protection) and the train state.
 
-No I/O, no config objects, no Python-side state: everything a step needs is an argument, so `train.py` can
-jit them with explicit shardings and donate the state.
+No I/O, no config objects, no Python-side state: everything a step needs is an argument (the loss is the task's,
+meshtrain/tasks), so `layout.py` can jit it with explicit shardings and donate the state.
 """
 from typing import Any, Callable
 
@@ -10,8 +10,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-
-from meshtrain.models import moe
 
 # A target id below zero is not a token: the loss and evaluation skip it. The data pipeline gives padding this
 # target, and a fine-tuning source gives it to the prompt tokens whose prediction is not trained. The inputs at
@@ -32,63 +30,50 @@ class TrainState(flax.struct.PyTreeNode):
     return cls(step=zero, params=params, opt_state=opt_state, nonfinite_steps=zero, last_nonfinite_step=zero)
 
 
-def loss_sums(params, batch, *, apply_fn: Callable, token_order=None):
-  """Summed next-token cross-entropy over the targets >= 0, the number of those targets, and MoE values.
-
-  Returns (objective, (loss_sum, count, moe)): the objective adds the MoE auxiliary loss (a mean, so weighted by
-  the token count) to the cross-entropy sum; `moe` holds the router statistics ({} for a dense model).
-  `token_order` (a permutation of the columns, or None) feeds the model its tokens in that order with those
-  positions, and permutes the targets alike: the summed loss is unchanged, only the layout of work differs.
-  """
-  inputs_BL, targets_BL = batch["inputs"], batch["targets"]
-  if token_order is not None:
-    inputs_BL, targets_BL = inputs_BL[:, token_order], targets_BL[:, token_order]
-    logits_BLV, state = apply_fn({"params": params}, inputs_BL, jnp.asarray(token_order), mutable=["moe"])
-  else:
-    logits_BLV, state = apply_fn({"params": params}, inputs_BL, mutable=["moe"])
-  logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-  valid_BL = targets_BL >= 0
-  # Ignored targets read id 0's logit (an in-range index) and are then weighted by zero.
-  safe_targets_BL = jnp.where(valid_BL, targets_BL, 0)
-  target_logit_BL = jnp.take_along_axis(logits_BLV, safe_targets_BL[..., None], axis=-1)[..., 0]
-  weight_BL = valid_BL.astype(jnp.float32)
-  loss_sum, count = jnp.sum((logz_BL - target_logit_BL) * weight_BL), jnp.sum(weight_BL)
-  moe_values = moe.collect(state["moe"]) if state.get("moe") else {}
-  objective = loss_sum + moe_values.get("aux_loss", 0.0) * count
-  return objective, (loss_sum, count, moe_values)
+def _split_aux(aux: dict):
+  """A task loss's aux as (loss_sum, count, the other metrics)."""
+  extra = {k: v for k, v in aux.items() if k not in ("loss_sum", "count")}
+  return aux["loss_sum"], aux["count"], extra
 
 
-def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransformation, schedule: optax.Schedule,
-               accum_steps: int = 1, nan_at_step: int = -1, token_order=None):
+def train_step(state: TrainState, batch, *, loss_fn: Callable, batch_axes: dict, tx: optax.GradientTransformation,
+               schedule: optax.Schedule, accum_steps: int = 1, nan_at_step: int = -1, count_name: str = "count"):
   """One optimizer update on a global batch; returns the new state and scalar metrics (left on device).
 
+  `loss_fn(params, batch) -> (objective, aux)` is the task's (meshtrain/tasks): the objective is a sum over the
+  batch, aux holds its "loss_sum" and "count" and any other scalar metrics. The gradients are divided by the
+  step's total count, so gradient accumulation equals one big batch. `batch_axes` (the task's logical axes per
+  batch key) keeps each micro-batch on the devices that hold its rows; `count_name` names the count in the
+  metrics (the task's unit: "tokens", "images").
   A step whose loss or gradients are not finite leaves parameters and optimizer state unchanged (so a NaN state
   can never be saved) and is counted in the state; the host decides whether to stop or carry on.
   `nan_at_step` poisons that step's gradients: fault injection for testing exactly this path.
   """
-  grad_fn = jax.value_and_grad(
-      lambda p, b: loss_sums(p, b, apply_fn=apply_fn, token_order=token_order), has_aux=True)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if accum_steps == 1:
-    (_, (loss_sum, count, moe_values)), grads = grad_fn(state.params, batch)
+    (_, aux), grads = grad_fn(state.params, batch)
+    loss_sum, count, extra = _split_aux(aux)
   else:
     # Micro-batch a takes rows a, a+A, a+2A, ...: each device keeps its own rows, so splitting needs no traffic.
-    def split(x_BL):
-      x_ABL = x_BL.reshape(x_BL.shape[0] // accum_steps, accum_steps, *x_BL.shape[1:]).swapaxes(0, 1)
-      return nn.with_logical_constraint(x_ABL, (None, "act_batch", "act_len"))
+    def split(x_B, axes):
+      x_AB = x_B.reshape(x_B.shape[0] // accum_steps, accum_steps, *x_B.shape[1:]).swapaxes(0, 1)
+      return nn.with_logical_constraint(x_AB, (None, *axes))
 
     def accumulate(carry, micro):
-      (_, (loss_sum, count, moe_values)), grads = grad_fn(state.params, micro)
-      return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), moe_values
+      (_, aux), grads = grad_fn(state.params, micro)
+      loss_sum, count, extra = _split_aux(aux)
+      return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), extra
 
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
-    (loss_sum, count, grads), moe_values = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
-    moe_values = jax.tree.map(jnp.mean, moe_values)
+    micro_batches = {k: split(x, batch_axes[k]) for k, x in batch.items()}
+    (loss_sum, count, grads), extra = jax.lax.scan(accumulate, zeros, micro_batches)
+    extra = jax.tree.map(jnp.mean, extra)
   step = state.step + 1
   if nan_at_step >= 0:
     poison = jnp.where(step == nan_at_step, jnp.nan, 1.0)
     loss_sum, grads = loss_sum * poison, jax.tree.map(lambda g: g * poison, grads)
-  # Mean over every target token of the global batch, however it was split into micro-batches. Divided in
-  # float32 (a bfloat16 count is inexact above 256 tokens) and cast back: a float32 gradient of a bfloat16
+  # Mean over every counted unit (target token, image) of the global batch, however it was split into
+  # micro-batches. Divided in float32 (a bfloat16 count is inexact above 256 tokens) and cast back: a float32 gradient of a bfloat16
   # parameter would make Adam's moments float32, so the returned state would no longer match the compiled
   # input (the second step fails) and every moment would take twice the memory.
   grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
@@ -100,22 +85,8 @@ def train_step(state: TrainState, batch, *, apply_fn, tx: optax.GradientTransfor
   state = state.replace(step=step, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
                         nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
                         last_nonfinite_step=jnp.where(finite, state.last_nonfinite_step, step))
-  metrics = {"loss": loss_sum / count, "grad_norm": grad_norm, "learning_rate": schedule(step - 1), "tokens": count,
-             "nonfinite_steps": state.nonfinite_steps, "last_nonfinite_step": state.last_nonfinite_step,
-             **{f"moe_{k}": v for k, v in moe_values.items()}}
+  metrics = {"loss": loss_sum / count, "grad_norm": grad_norm, "learning_rate": schedule(step - 1),
+             count_name: count, "nonfinite_steps": state.nonfinite_steps,
+             "last_nonfinite_step": state.last_nonfinite_step, **extra}
   return state, metrics
 
-
-def eval_step(params, batch, token_bytes_V, *, apply_fn, token_order=None):
-  """Sums for validation: cross-entropy (nats), target tokens, and the UTF-8 bytes those targets stand for.
-
-  `token_bytes_V` (int32[model vocab]) holds the bytes of each id's text (0 for specials), from
-  `Tokenizer.token_bytes()`: loss_sum / bytes / ln 2 is bits per byte, which compares across tokenizers where
-  the loss per token does not.
-  """
-  _, (loss_sum, count, _) = loss_sums(params, batch, apply_fn=apply_fn, token_order=token_order)
-  targets_BL = batch["targets"]
-  valid_BL = targets_BL >= 0
-  bytes_BL = jnp.where(valid_BL, token_bytes_V[jnp.where(valid_BL, targets_BL, 0)], 0)
-  # float32 sums are exact up to 2^24 bytes per eval step; that is 16 MB of text in one micro-batch.
-  return {"loss_sum": loss_sum, "tokens": count, "bytes": jnp.sum(bytes_BL.astype(jnp.float32))}
