@@ -20,6 +20,7 @@ import ml_collections
 from meshtrain.errors import UserError
 from meshtrain import profiling
 from meshtrain.models import presets
+from meshtrain.tasks import KINDS as TASKS  # names only: meshtrain/tasks imports no JAX until a task is built
 
 # Fields that decide the shape of the train state: a checkpoint is only compatible when all of them match.
 SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_experts",
@@ -30,9 +31,11 @@ SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_head
 # data.tokenizer is not among them either: the tokenizer a checkpoint was trained with is compared by its file's
 # fingerprint (checkpoint meta "tokenizer"), so a moved file resumes and another file is refused outright.
 DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_key", "data.train_split",
-                     "data.format", "data.prompt_key", "data.completion_key")
+                     "data.format", "data.prompt_key", "data.completion_key", "data.image_key", "data.label_key")
 DATA_FORMATS = ("text", "prompt_completion")  # meshtrain/data/pipeline.py and meshtrain/data/sft.py
 REMAT_POLICIES = ("none", "full", "save_dots")
+
+DIT_REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
 ATTENTION = ("auto", "blocked", "xla", "cudnn")  # meshtrain/models/attention.py (likewise)
@@ -57,11 +60,16 @@ _TFDS_NAME = re.compile(r"^(?:[\w\-]+:)?[a-zA-Z]\w*(?:/[\w+\-.]+)?(?::(?:\d+|\*)
 # workers (each, while built, int32 inputs, targets and the packed [rows, seq_len + 1] array they are cut from), 1 in
 # grain's device-prefetch buffer and 1 in use; counted as 3 int32 arrays each: 4 x 3 x 4 bytes per token.
 BATCH_BUFFER_BYTES_PER_TOKEN = 4 * 3 * 4
+# task=dit: the same 4 batches in flight, each row a float32 image (counted twice: the uint8 decode is small, the
+# float32 array and its copy into the batch are not) plus its int32 label and uint32 noise seed.
+BATCH_BUFFER_BYTES_PER_PIXEL = 4 * 2 * 4
+BATCH_BUFFER_BYTES_PER_IMAGE = 4 * 2 * 4
 
 
 def base_config() -> ml_collections.ConfigDict:
   """Every field meshtrain reads, with its default and meaning."""
   c = ml_collections.ConfigDict()
+  c.task = "lm"                 # what is trained (meshtrain/tasks): lm (a language model) | dit (a diffusion transformer)
   c.steps = 200                 # optimizer updates to train for (a resumed run stops at the same step)
   c.seed = 0                    # seeds parameter init and the data order; the batch at step k depends on (seed, k) only
   c.batch_size = 16             # global batch, in sequences, summed over all devices and micro-batches
@@ -139,6 +147,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.name = "python_stdlib"  # python_stdlib (built locally) | synthetic | any TFDS dataset name
   c.data.data_dir = ""           # TFDS data directory; "" = TFDS default (~/tensorflow_datasets)
   c.data.text_key = "text"       # feature holding the text, for TFDS datasets
+  c.data.image_key = "image"     # task=dit: the image feature of a TFDS image dataset (uint8 [H, W, C])
+  c.data.label_key = "label"     # task=dit: its class-label feature (ClassLabel)
   # text: documents packed into sequences, every token trained | prompt_completion: one example per row, the loss
   # on the completion's tokens only (supervised fine-tuning; python_stdlib_sft is built locally)
   c.data.format = "text"
@@ -149,6 +159,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.tokenizer = "byte"
   c.data.train_split = "train"
   c.data.eval_split = "validation"
+
+  # task=dit: sampling, during training (a grid and its quality at eval_every) and python -m meshtrain.sample's defaults
+  c.sample = ml_collections.ConfigDict()
+  c.sample.steps = 32           # Euler steps from noise (t = 1) to an image (t = 0)
+  c.sample.guidance = 1.0       # classifier-free guidance scale, >= 0: 0 unconditional, 1 conditional only, > 1 stronger
+  c.sample.per_class = 8        # images per class in the training-time grid and quality check
+  c.sample.seed = 0             # seeds the sampling noise
   return c
 
 
@@ -238,8 +255,21 @@ def from_file(path: str) -> ml_collections.ConfigDict:
     raise UserError(f"get_config() in config file {path!r} returned {type(cfg).__name__}, not an "
                     "ml_collections.ConfigDict; return meshtrain.config.base_config() with your changes, as "
                     "configs/tiny.py does (c = base_config(); c.steps = ...; return c)")
-  _check_fields(cfg, base_config(), f"get_config() in config file {path!r}")
+  _check_fields(cfg, reference_config(cfg, f"get_config() in config file {path!r}"),
+                f"get_config() in config file {path!r}")
   return cfg
+
+
+def reference_config(cfg, where: str) -> ml_collections.ConfigDict:
+  """base_config() with the model group of cfg's task, the fields `cfg` must have: a diffusion transformer's
+  model fields are not a language model's."""
+  base = base_config()
+  task = cfg.get("task", base.task)
+  if task not in TASKS:
+    raise UserError(f"{where} sets task={task!r}; choose one of {', '.join(TASKS)}")
+  if task == "dit" and isinstance(cfg.get("model"), ml_collections.ConfigDict) and "image_size" in cfg.model:
+    base.model = presets.dit_model_config(presets.DIT_PRESETS[0])
+  return base
 
 
 def _type_name(value) -> str:
@@ -355,26 +385,68 @@ def _check_choice(key, value, choices):
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
-  """Checks everything that can be checked without devices; mesh and sharding checks come later, also before compile."""
+  """Checks everything that can be checked without devices; mesh and sharding checks come later, also before compile
+  (layout.build and the task's own, meshtrain/tasks). The model fields are checked for cfg.task only."""
+  _check_choice("task", cfg.task, TASKS)
   positive = {"distributed.init_timeout_s": cfg.distributed.init_timeout_s,
               "distributed.heartbeat_timeout_s": cfg.distributed.heartbeat_timeout_s,
-              "distributed.barrier_timeout_s": cfg.distributed.barrier_timeout_s, "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "log_every": cfg.log_every,
+              "distributed.barrier_timeout_s": cfg.distributed.barrier_timeout_s, "steps": cfg.steps,
+              "batch_size": cfg.batch_size, "log_every": cfg.log_every,
               "checkpoint_keep": cfg.checkpoint_keep, "cpu_devices": cfg.cpu_devices,
-              "eval_batches": cfg.eval_batches, "optimizer.grad_accum_steps": cfg.optimizer.grad_accum_steps,
-              **{f"model.{k}": cfg.model[k] for k in ("vocab_size", "num_layers", "d_model", "num_heads",
-                                                       "num_kv_heads", "head_dim", "mlp_dim")}}
+              "eval_batches": cfg.eval_batches, "optimizer.grad_accum_steps": cfg.optimizer.grad_accum_steps}
   for key, value in positive.items():
     if value <= 0:
       raise UserError(f"config key {key!r} must be positive, got {value}")
   non_negative = {"eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every, "watchdog_s": cfg.watchdog_s,
-                  "optimizer.warmup_steps": cfg.optimizer.warmup_steps, "model.scan_unroll": cfg.model.scan_unroll}
+                  "optimizer.warmup_steps": cfg.optimizer.warmup_steps}
   for key, value in non_negative.items():
     if value < 0:
       raise UserError(f"config key {key!r} must be >= 0, got {value}")
   profiling.parse_steps(cfg.profile_steps)
   _check_values(cfg)
-  m = cfg.model
   _check_choice("nonfinite", cfg.nonfinite, ("stop", "skip"))
+  if cfg.pipeline.microbatches < 1 or cfg.pipeline.repeats < 1:
+    raise UserError(f"pipeline.microbatches={cfg.pipeline.microbatches} and pipeline.repeats="
+                    f"{cfg.pipeline.repeats} must be >= 1")
+  _check_choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "circular"))
+  # The one place this rule lives: everything after reads pipeline.repeats as given (tasks/lm.pipeline_repeats).
+  if cfg.pipeline.schedule == "gpipe" and cfg.pipeline.repeats != 1:
+    raise UserError(f"pipeline.repeats={cfg.pipeline.repeats} needs pipeline.schedule=circular; GPipe makes one pass")
+  accum = cfg.optimizer.grad_accum_steps
+  if cfg.batch_size % accum:
+    raise UserError(f"batch_size={cfg.batch_size} is not divisible by optimizer.grad_accum_steps={accum}; "
+                    f"use a batch_size that is a multiple of {accum}")
+  if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
+    raise UserError(f"optimizer.min_lr_ratio={cfg.optimizer.min_lr_ratio} must lie in [0, 1]")
+  for axis in [k for k in cfg.mesh if k != "nodes"]:
+    for key, size in ((f"mesh.{axis}", cfg.mesh[axis]), (f"mesh.nodes.{axis}", cfg.mesh.nodes[axis])):
+      if size == 0 or size < -1:
+        raise UserError(f"config key {key!r} is {size}; axis sizes are positive, or -1 to fill from the device count")
+  if cfg.task == "dit":
+    _check_dit(cfg)
+  else:
+    _check_lm(cfg)
+
+
+def _check_lm(cfg) -> None:
+  """The language model's fields (task=lm)."""
+  m = cfg.model
+  positive = {"seq_len": cfg.seq_len, **{f"model.{k}": m[k] for k in ("vocab_size", "num_layers", "d_model",
+                                                                       "num_heads", "num_kv_heads", "head_dim",
+                                                                       "mlp_dim")}}
+  for key, value in positive.items():
+    if value <= 0:
+      raise UserError(f"config key {key!r} must be positive, got {value}")
+  if m.scan_unroll < 0:
+    raise UserError(f"config key 'model.scan_unroll' must be >= 0, got {m.scan_unroll}")
+  for key, value in (("model.init_std", m.init_std), ("model.norm_eps", m.norm_eps),
+                     ("model.rope_theta", m.rope_theta)):
+    if value <= 0:
+      raise UserError(f"config key {key!r} must be positive, got {value}")
+  for key, value in (("model.aux_loss_weight", m.aux_loss_weight),
+                     ("model.router_z_loss_weight", m.router_z_loss_weight)):
+    if value < 0:
+      raise UserError(f"config key {key!r} must be >= 0 (0 turns it off), got {value}")
   _check_choice("model.remat", m.remat, REMAT_POLICIES)
   _check_choice("model.dtype", m.dtype, DTYPES)
   _check_choice("model.param_dtype", m.param_dtype, DTYPES)
@@ -394,27 +466,51 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                     "num_experts=0 (dense MLP) or 1 <= experts_per_token <= num_experts")
   if m.capacity_factor <= 0:
     raise UserError(f"model.capacity_factor={m.capacity_factor} must be positive (1.0-2.0 is usual)")
-  if cfg.pipeline.microbatches < 1 or cfg.pipeline.repeats < 1:
-    raise UserError(f"pipeline.microbatches={cfg.pipeline.microbatches} and pipeline.repeats="
-                    f"{cfg.pipeline.repeats} must be >= 1")
-  _check_choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "circular"))
-  if cfg.pipeline.schedule == "gpipe" and cfg.pipeline.repeats != 1:
-    raise UserError(f"pipeline.repeats={cfg.pipeline.repeats} needs pipeline.schedule=circular; GPipe makes one pass")
   if m.num_heads % m.num_kv_heads:
     raise UserError(f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
                     "grouped-query attention shares each KV head among num_heads/num_kv_heads query heads")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even for rotary position embedding")
-  accum = cfg.optimizer.grad_accum_steps
-  if cfg.batch_size % accum:
-    raise UserError(f"batch_size={cfg.batch_size} is not divisible by optimizer.grad_accum_steps={accum}; "
-                    f"use a batch_size that is a multiple of {accum}")
-  if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
-    raise UserError(f"optimizer.min_lr_ratio={cfg.optimizer.min_lr_ratio} must lie in [0, 1]")
-  for axis in [k for k in cfg.mesh if k != "nodes"]:
-    for key, size in ((f"mesh.{axis}", cfg.mesh[axis]), (f"mesh.nodes.{axis}", cfg.mesh.nodes[axis])):
-      if size == 0 or size < -1:
-        raise UserError(f"config key {key!r} is {size}; axis sizes are positive, or -1 to fill from the device count")
+  _check_text_data(cfg)
+
+
+def _check_dit(cfg) -> None:
+  """The diffusion transformer's fields (task=dit: meshtrain/models/dit.py) and the sampling settings."""
+  m = cfg.model
+  if "image_size" not in m:
+    raise UserError("task=dit needs a diffusion-transformer model group (image_size, patch_size, num_classes, ...), "
+                    "and this config has a language model's; start from configs/dit_digits.py (c.model = "
+                    "presets.dit_model_config('digits'))")
+  for key in ("image_size", "channels", "patch_size", "num_classes", "d_model", "num_layers", "num_heads",
+              "mlp_dim"):
+    if m[key] <= 0:
+      raise UserError(f"config key 'model.{key}' must be positive, got {m[key]}")
+  if m.init_std <= 0:
+    raise UserError(f"config key 'model.init_std' must be positive, got {m.init_std}")
+  if m.image_size % m.patch_size:
+    raise UserError(f"model.image_size={m.image_size} is not divisible by model.patch_size={m.patch_size}; each "
+                    f"{m.patch_size}x{m.patch_size} patch is one token, so use a patch_size that divides the image "
+                    "size (e.g. 2 or 4 for 8x8 images)")
+  if m.d_model % m.num_heads:
+    raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; each head is "
+                    "d_model / num_heads wide")
+  if not 0 <= m.class_dropout < 1:
+    raise UserError(f"model.class_dropout={m.class_dropout} must lie in [0, 1): the fraction of training labels "
+                    "replaced by the null class (0.1 is usual; 0 trains no unconditional model for guidance)")
+  _check_choice("model.remat", m.remat, DIT_REMAT_POLICIES)
+  _check_choice("model.dtype", m.dtype, DTYPES)
+  _check_choice("model.param_dtype", m.param_dtype, DTYPES)
+  s = cfg.sample
+  if s.steps <= 0 or s.per_class <= 0:
+    raise UserError(f"sample.steps={s.steps} and sample.per_class={s.per_class} must be positive")
+  if s.guidance < 0:
+    raise UserError(f"sample.guidance={s.guidance} must be >= 0 (classifier-free guidance scale: 0 unconditional, "
+                    "1 conditional only, above 1 stronger)")
+  if not 0 <= s.seed <= MAX_SEED:
+    raise UserError(f"sample.seed={s.seed} is out of range; use 0 <= seed <= {MAX_SEED}")
+  for key in ("image_key", "label_key"):
+    if not cfg.data[key].strip():
+      raise UserError(f"data.{key} is empty; name the dataset's image and label features (e.g. image and label)")
 
 
 def _floats(node, prefix=""):
@@ -423,6 +519,26 @@ def _floats(node, prefix=""):
       yield from _floats(value, f"{prefix}{key}.")
     elif isinstance(value, float):
       yield prefix + key, value
+
+
+def _check_text_data(cfg) -> None:
+  """The text data's format and features (task=lm)."""
+  data = cfg.data
+  _check_choice("data.format", data.format, DATA_FORMATS)
+  if data.name == "python_stdlib_sft" and data.format != "prompt_completion":
+    raise UserError("data.name=python_stdlib_sft holds prompt/completion pairs, not documents; set "
+                    "data.format=prompt_completion (or use data.name=python_stdlib for the same files as text)")
+  if data.format == "prompt_completion":
+    if str(data.tokenizer).startswith("bpe:"):
+      raise UserError(f"data.tokenizer={data.tokenizer!r} trains a tokenizer on a text dataset, and "
+                      "data.format=prompt_completion data is for fine-tuning: use the tokenizer of the model in "
+                      "init_from (--config.data.tokenizer=WORKDIR/tokenizer) or byte")
+    if data.name == "synthetic":
+      raise UserError("data.format=prompt_completion needs a dataset with prompts and completions, and synthetic has "
+                      "none; use data.name=python_stdlib_sft (built locally) or a TFDS dataset with such features")
+    if not data.prompt_key.strip() or not data.completion_key.strip() or data.prompt_key == data.completion_key:
+      raise UserError(f"data.prompt_key={data.prompt_key!r} and data.completion_key={data.completion_key!r} must name "
+                      "two different features of the dataset (python_stdlib_sft: prompt and completion)")
 
 
 def _check_values(cfg) -> None:
@@ -445,13 +561,9 @@ def _check_values(cfg) -> None:
   if not (0 <= o.b1 < 1 and 0 <= o.b2 < 1):
     raise UserError(f"optimizer.b1={o.b1} and optimizer.b2={o.b2} must lie in [0, 1) (Adam's moment decay rates; "
                     "usual: 0.9 and 0.95)")
-  for key, value in (("optimizer.eps", o.eps), ("model.init_std", cfg.model.init_std),
-                     ("model.norm_eps", cfg.model.norm_eps), ("model.rope_theta", cfg.model.rope_theta)):
-    if value <= 0:
-      raise UserError(f"config key {key!r} must be positive, got {value}")
-  for key, value in (("optimizer.weight_decay", o.weight_decay), ("optimizer.grad_clip", o.grad_clip),
-                     ("model.aux_loss_weight", cfg.model.aux_loss_weight),
-                     ("model.router_z_loss_weight", cfg.model.router_z_loss_weight)):
+  if o.eps <= 0:
+    raise UserError(f"config key 'optimizer.eps' must be positive, got {o.eps}")
+  for key, value in (("optimizer.weight_decay", o.weight_decay), ("optimizer.grad_clip", o.grad_clip)):
     if value < 0:
       raise UserError(f"config key {key!r} must be >= 0 (0 turns it off), got {value}")
   if 0 < cfg.watchdog_s < MIN_WATCHDOG_S:
@@ -469,21 +581,6 @@ def _check_values(cfg) -> None:
     raise UserError(f"data.name={data.name!r} is not a dataset name: TFDS names are letters, digits and _ "
                     "(name[/config][:1.2.3]), starting with a letter; use python_stdlib (built locally), synthetic, "
                     "or a TFDS dataset name such as tiny_shakespeare or lm1b")
-  _check_choice("data.format", data.format, DATA_FORMATS)
-  if data.name == "python_stdlib_sft" and data.format != "prompt_completion":
-    raise UserError("data.name=python_stdlib_sft holds prompt/completion pairs, not documents; set "
-                    "data.format=prompt_completion (or use data.name=python_stdlib for the same files as text)")
-  if data.format == "prompt_completion":
-    if str(data.tokenizer).startswith("bpe:"):
-      raise UserError(f"data.tokenizer={data.tokenizer!r} trains a tokenizer on a text dataset, and "
-                      "data.format=prompt_completion data is for fine-tuning: use the tokenizer of the model in "
-                      "init_from (--config.data.tokenizer=WORKDIR/tokenizer) or byte")
-    if data.name == "synthetic":
-      raise UserError("data.format=prompt_completion needs a dataset with prompts and completions, and synthetic has "
-                      "none; use data.name=python_stdlib_sft (built locally) or a TFDS dataset with such features")
-    if not data.prompt_key.strip() or not data.completion_key.strip() or data.prompt_key == data.completion_key:
-      raise UserError(f"data.prompt_key={data.prompt_key!r} and data.completion_key={data.completion_key!r} must name "
-                      "two different features of the dataset (python_stdlib_sft: prompt and completion)")
   splits = [("data.train_split", data.train_split)] + ([("data.eval_split", data.eval_split)] if cfg.eval_every else [])
   for key, split in splits:
     if not split.strip():
@@ -556,14 +653,24 @@ def host_memory_bytes() -> int:
 
 def check_batch_memory(cfg, processes: int | None = None, memory: int | None = None) -> None:
   """Refuses a batch whose input-pipeline buffers alone cannot fit in this host's memory: each process holds 4
-  batches of its rows as int32 arrays (see BATCH_BUFFER_BYTES_PER_TOKEN), before the model needs anything."""
+  batches of its rows (see BATCH_BUFFER_BYTES_PER_TOKEN and BATCH_BUFFER_BYTES_PER_PIXEL), before the model needs
+  anything."""
   processes = process_count_hint(cfg) if processes is None else processes
   memory = host_memory_bytes() if memory is None else memory
   rows = -(-cfg.batch_size // processes)
+  per = f"{rows} of the {cfg.batch_size} rows per process ({processes} processes)" if processes > 1 else \
+        f"batch_size={cfg.batch_size}"
+  if cfg.task == "dit":
+    m = cfg.model
+    pixels = m.image_size * m.image_size * m.channels
+    needed = rows * (pixels * BATCH_BUFFER_BYTES_PER_PIXEL + BATCH_BUFFER_BYTES_PER_IMAGE)
+    if needed > memory:
+      raise UserError(f"batch_size={cfg.batch_size} images of {m.image_size}x{m.image_size}x{m.channels}: for {per} "
+                      f"the input pipeline's buffers alone need {needed / 1e9:,.1f} GB (float32 pixels, 4 batches in "
+                      f"flight), more than this host's {memory / 1e9:,.1f} GB of memory; lower batch_size")
+    return
   needed = rows * (cfg.seq_len + 1) * BATCH_BUFFER_BYTES_PER_TOKEN
   if needed > memory:
-    per = f"{rows} of the {cfg.batch_size} rows per process ({processes} processes)" if processes > 1 else \
-          f"batch_size={cfg.batch_size}"
     raise UserError(f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} is {cfg.batch_size * cfg.seq_len:,} tokens "
                     f"per step; for {per} the input pipeline's buffers alone need {needed / 1e9:,.1f} GB "
                     f"({BATCH_BUFFER_BYTES_PER_TOKEN} bytes per token: int32 inputs, targets and packed rows, 4 "

@@ -129,7 +129,7 @@ class Layout:
                      ).lower(self.state_abstract.params, self.batch_abstract(self.cfg.batch_size)).compile()
 
 
-def build(cfg, mesh: Mesh, *, platform: str | None = None) -> Layout:
+def build(cfg, mesh: Mesh, platform: str | None = None) -> Layout:
   """Checks the layout from shapes alone, then derives every sharding of the train state.
 
   The task (`tasks.build`) runs its model-specific checks and builds the model; everything else here is the same

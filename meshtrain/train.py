@@ -1,4 +1,4 @@
-"""Train a language model over a device mesh.
+"""Train a model (any task: meshtrain/tasks) over a device mesh.
 
   python -m meshtrain.train --config configs/tiny.py --workdir runs/tiny [--config.KEY=VALUE ...]
 
@@ -12,7 +12,6 @@ import collections
 import concurrent.futures
 import functools
 import json
-import math
 import os
 import pathlib
 import sys
@@ -68,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
-def train(cfg, workdir: pathlib.Path) -> dict:
-  """Trains to cfg.steps (resuming from workdir) and returns timing: start-up, compile and the loop's wall time."""
+def train(cfg, workdir: pathlib.Path, hooks=()) -> dict:
+  """Trains to cfg.steps (resuming from workdir) and returns timing: compile and start-up seconds.
+
+  `hooks` (meshtrain/hooks.py) are called after the loop's own (metrics, eval, checkpoint, the task's), e.g.
+  bench's loop clock."""
   from meshtrain.preemption import PreemptionNotice
   # Signal handling from the first moment: a signal during start-up ends the process at once with a message
   # (nothing to save yet); once the loop runs, it stops after the current step with a checkpoint.
@@ -81,13 +83,13 @@ def train(cfg, workdir: pathlib.Path) -> dict:
     from meshtrain import workdir as workdir_lib
     # Before anything reads or writes the workdir: a second run there is refused, the first one is left alone.
     with workdir_lib.exclusive(workdir, jax.process_index(), jax.process_count()):
-      return _train(cfg, workdir, preemption)
+      return _train(cfg, workdir, preemption, hooks)
 
 
-def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
+def _train(cfg, workdir: pathlib.Path, preemption, extra_hooks) -> dict:
   import jax
-  import jax.numpy as jnp
-  from meshtrain import checkpoint, data, finetune, layout as layout_lib, mesh as mesh_lib, perf, sharding
+  from meshtrain import checkpoint, data, finetune, hooks as hooks_lib, layout as layout_lib, mesh as mesh_lib, perf
+  from meshtrain import sharding
   from meshtrain.metrics import MetricsWriter
   from meshtrain.profiling import StepProfiler
   from meshtrain.watchdog import Watchdog
@@ -101,39 +103,46 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
   # --- Data, layout and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
   # The data first: a split too short for seq_len is named as such, before any model-sized buffer exists.
   # The tokenizer before the data (a bpe:N one is trained here on first use), and the model checked against it.
-  tok = data.tokenizer.for_config(cfg)
-  if init is not None:
+  tok = data.tokenizer.for_config(cfg) if cfg.task == "lm" else None  # other tasks read no text
+  if init is not None and tok is not None:
     finetune.check_tokenizer(init, tok, cfg.data.tokenizer)
-  if cfg.data.name != "synthetic" or tok.kind != "byte":  # synthetic tokens are drawn below model.vocab_size
+  if tok is not None and (cfg.data.name != "synthetic" or tok.kind != "byte"):  # synthetic ids: below vocab_size
     data.pipeline.check_vocab(cfg, tok)
   train_src = data.make_source(cfg, cfg.data.train_split, shuffle=True, tok=tok)
   eval_src = data.make_source(cfg, cfg.data.eval_split, shuffle=False, tok=tok) if cfg.eval_every else None
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh)
+  task = layout.task
   log(f"mesh: {mesh_lib.describe(mesh)}; sharding rules: {cfg.sharding.rules}")
   log(sharding.format_table(layout.table))
   # Before restoring or initialising anything: a state that cannot fit is refused in seconds, not after an OOM.
   layout_lib.check_fits(layout.state_bytes_per_device(), "the train state (parameters and optimizer state)", mesh)
   if (stages := mesh.shape["stage"]) > 1:
     from meshtrain.parallel.pipeline import bubble_fraction
-    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+    from meshtrain.tasks.lm import pipeline_repeats
     log(f"pipeline: {stages} stages, {cfg.pipeline.microbatches} micro-batches, {cfg.pipeline.schedule} schedule; "
-        f"bubble {bubble_fraction(stages, cfg.pipeline.microbatches, repeats):.1%} of each step idle")
+        f"bubble {bubble_fraction(stages, cfg.pipeline.microbatches, pipeline_repeats(cfg, stages)):.1%} of each "
+        "step idle")
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)
   def check(step, meta):
     if meta.get("params_only"):
       raise UserError(f"{workdir} holds converted parameters (no optimizer state or data position to resume); use "
                       f"--config.init_from={workdir} with a new --workdir to fine-tune them")
-    checkpoint.check_compatible(meta["config"], cfg.model, config_lib.SHAPE_FIELDS, step, ckpt.directory)
-    # By the file's fingerprint, not data.tokenizer's string: a moved copy is the same tokenizer. Checkpoints from
-    # before tokenizers were recorded are bytes. Refused even with allow_data_change: the ids would mean other text.
-    trained_with = meta.get("tokenizer") or {"kind": "byte", "fingerprint": "byte"}
-    if trained_with["fingerprint"] != tok.fingerprint:
-      raise UserError(f"the checkpoint at step {step} in {ckpt.directory} was trained with the {trained_with['kind']} "
-                      f"tokenizer {trained_with['fingerprint'][:12]}, this run has the {tok.kind} tokenizer "
-                      f"{tok.fingerprint[:12]} (data.tokenizer={cfg.data.tokenizer!r}); resume with "
-                      f"--config.data.tokenizer={workdir / data.tokenizer.WORKDIR_SUBDIR} (the run's copy), or "
-                      "start a new workdir")
+    if (trained_task := meta.get("task", "lm")) != cfg.task:  # checkpoints from before tasks are language models
+      raise UserError(f"the checkpoint at step {step} in {ckpt.directory} was trained with task={trained_task}, this "
+                      f"run has task={cfg.task}; resume it with its own config, or start a new --workdir")
+    checkpoint.check_compatible(meta["config"], cfg.model, task.shape_fields, step, ckpt.directory)
+    if tok is not None:
+      # By the file's fingerprint, not data.tokenizer's string: a moved copy is the same tokenizer. Checkpoints
+      # from before tokenizers were recorded are bytes. Refused even with allow_data_change: the ids would mean
+      # other text.
+      trained_with = meta.get("tokenizer") or {"kind": "byte", "fingerprint": "byte"}
+      if trained_with["fingerprint"] != tok.fingerprint:
+        raise UserError(f"the checkpoint at step {step} in {ckpt.directory} was trained with the "
+                        f"{trained_with['kind']} tokenizer {trained_with['fingerprint'][:12]}, this run has the "
+                        f"{tok.kind} tokenizer {tok.fingerprint[:12]} (data.tokenizer={cfg.data.tokenizer!r}); resume "
+                        f"with --config.data.tokenizer={workdir / data.tokenizer.WORKDIR_SUBDIR} (the run's copy), or "
+                        "start a new workdir")
     if meta.get("layer_order", "sequential") != layout.layer_order:
       raise UserError(f"the checkpoint at step {step} in {ckpt.directory} stores its layers in {meta['layer_order']} "
                       f"order, this run in {layout.layer_order} order; use its pipeline settings to resume")
@@ -161,8 +170,8 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
   if is_main:  # written whole or not at all: a signal during start-up ends the process wherever it is
     (workdir / "config.json.tmp").write_text(json.dumps(cfg.to_dict(), indent=2))
     (workdir / "config.json.tmp").replace(workdir / "config.json")
-    # WORKDIR/tokenizer/: generate, export and resume find the run's tokenizer here without a flag.
-    data.tokenizer.save_to_workdir(tok, workdir)
+    if tok is not None:  # WORKDIR/tokenizer/: generate, export and resume find the run's tokenizer here
+      data.tokenizer.save_to_workdir(tok, workdir)
 
   # The train step, the eval step and the initial state are compiled on two threads: XLA compiles without holding
   # the GIL, so start-up waits for the longest compile rather than the sum, and the main thread only waits on
@@ -178,9 +187,11 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     train_fn, compile_s = train_future.result()
     log(f"train step compiled in {compile_s:.1f}s; {compiled_summary(train_fn)}")
     layout_lib.check_fits(layout_lib.compiled_bytes(train_fn), "the compiled train step", mesh)
-    flops_per_token = perf.model_flops(cfg, layout.table)
+    flops_per_example = task.flops_per_example(layout.table)
     peak, peak_source = perf.device_peak(mesh, cfg.model.dtype)
-    log(f"model FLOPs per token {flops_per_token:,.0f}; peak {peak / 1e9:,.1f} GFLOP/s per device ({peak_source})")
+    unit = task.throughput_key.removesuffix("_per_sec").removesuffix("s")  # "token", "image"
+    log(f"model FLOPs per {unit} {flops_per_example / task.units_per_example:,.0f}; peak {peak / 1e9:,.1f} GFLOP/s "
+        f"per device ({peak_source})")
     eval_fn = eval_future.result() if eval_future else None
     if init_future:
       state, start = init_future.result(), 0
@@ -190,146 +201,75 @@ def _train(cfg, workdir: pathlib.Path, preemption) -> dict:
     else:
       log(f"resumed from {ckpt.directory / str(start)}")
 
-  # Bytes each id stands for: bits per byte = loss / bytes / ln 2 compares runs with different tokenizers.
-  token_bytes = layout.token_bytes_table(tok.token_bytes()) if eval_src is not None else None
-
-  def evaluate(params, at_step):
-    sums = None
-    for i in range(cfg.eval_batches):
-      watchdog.beat(at_step, f"evaluation batch {i}")
-      out = eval_fn(params, data.global_batch(eval_src, i, layout.micro_batch, layout.batch_sharding), token_bytes)
-      sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-    sums = jax.device_get(sums)
-    record = {"step": at_step, "eval_loss": float(sums["loss_sum"] / sums["tokens"])}
-    if sums["bytes"] > 0 and cfg.data.name != "synthetic":
-      record["eval_bits_per_byte"] = float(sums["loss_sum"] / sums["bytes"] / math.log(2))
-    return record
-
-  def save(at_step):
-    if cfg.nonfinite == "stop":  # a save is a sync point anyway: never keep a run that should have stopped
-      check_finite(jax.device_get({k: getattr(state, k) for k in ("nonfinite_steps", "last_nonfinite_step")}))
-    watchdog.beat(at_step, "saving a checkpoint")
-    ckpt.save(at_step, state, {"config": cfg.to_dict(), "layer_order": layout.layer_order,
-                               "data": {"next_step": at_step, "seed": cfg.seed, "batch_size": cfg.batch_size,
-                                        "name": cfg.data.name},
-                               "tokenizer": tok.describe(),
-                               **({"init_from": init_record} if init_record else {})})
-
-  seen_nonfinite = int(jax.device_get(state.nonfinite_steps))
-
-  def check_finite(metrics):
-    if int(metrics["nonfinite_steps"]) > seen_nonfinite and cfg.nonfinite == "stop":
-      raise RunAborted(f"the loss or gradients of step {int(metrics['last_nonfinite_step'])} are not finite; the "
-                       f"update was dropped and nothing after it was saved (latest checkpoint: "
-                       f"{ckpt.latest_step()}). Lower the learning rate or rerun with --config.nonfinite=skip to skip "
-                       f"such steps")
-
-  # --- The loop. The host only waits for the device when metrics are due, and then for the previous step. ---
+  # --- The hooks: all periodic work of the loop (meshtrain/hooks.py). ---
   writer = MetricsWriter(workdir, cfg.steps, start, enabled=is_main)
   batches = data.Batches(train_src, start, cfg.batch_size, layout.batch_sharding)
   watchdog = Watchdog(cfg.watchdog_s, workdir, jax.process_index())
   profiler = StepProfiler(cfg.profile_steps, workdir, enabled=is_main)
-  pending = None                                  # (step, metrics on device) to fetch after the next dispatch
-  # The host runs at most two steps ahead of the devices: enough to keep them fed, and it bounds the queue (on
-  # the CPU backend an unbounded queue of steps with collectives can starve its thread pool into a deadlock).
-  in_flight = collections.deque()
-  # `excluded` (eval, checkpoints, profiling) is kept out of step times; `loop` times the steps after the first.
-  clock = {"t": time.perf_counter(), "step": start, "excluded": 0.0, "loop_t": None, "loop_excluded": 0.0}
-  timing = {"compile_s": compile_s}
-
-  def emit(done, metrics):
-    watchdog.beat(done, f"waiting for step {done}")
-    metrics = jax.device_get(metrics)
-    check_finite(metrics)
-    now = time.perf_counter()
-    seconds = (now - clock["t"] - clock["excluded"]) / max(done - clock["step"], 1)
-    clock.update(t=now, step=done, excluded=0.0)
-    tokens_per_sec = cfg.batch_size * cfg.seq_len / seconds
-    record = {"step": done, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
-              "grad_norm": float(metrics["grad_norm"]), "step_time_s": seconds, "tokens_per_sec": tokens_per_sec,
-              "mfu": flops_per_token * tokens_per_sec / (peak * mesh.size)}
-    if metrics["nonfinite_steps"]:
-      record["skipped_steps"] = int(metrics["nonfinite_steps"])
-    if done == start + 1:  # the first step's time is mostly the first dispatch: start-up is the useful number
-      since_start = perf.seconds_since_process_start()
-      timing["startup_s"] = record["startup_s"] = since_start if since_start is not None else now - _IMPORTED
-      writer.print(f"start-up: first step done {timing['startup_s']:.1f}s after the process started "
-                   f"(compile {compile_s:.1f}s)")
-      clock.update(loop_t=now, loop_excluded=0.0)
-    writer.write(record)
-
-  if init is not None and eval_src is not None:  # the baseline a fine-tuning run's evaluations compare to
-    t_pause = time.perf_counter()
-    record = evaluate(state.params, 0)
-    writer.write(record)
-    writer.print(f"step 0 (init_from): eval loss {record['eval_loss']:.4f}")
-    clock["excluded"] += time.perf_counter() - t_pause  # not part of the first step's time
+  run = hooks_lib.Run(cfg, workdir, mesh, layout, writer, hooks_lib.Timer(start), watchdog, ckpt, start, state,
+                      timing={"compile_s": compile_s})
+  run.metrics_log = hooks_lib.MetricsLog(run, flops_per_example, peak, startup_clock)
+  save = hooks_lib.Checkpoint(cfg.checkpoint_every, {
+      "config": cfg.to_dict(), "task": cfg.task, "layer_order": layout.layer_order,
+      **({"tokenizer": tok.describe()} if tok is not None else {}),
+      **({"init_from": init_record} if init_record else {})})
+  evaluate = None
+  if eval_src is not None:
+    # The task's extra eval input, e.g. the bytes each id stands for: bits per byte compares tokenizers.
+    evaluate = hooks_lib.Evaluate(cfg.eval_every, eval_fn, eval_src, layout.eval_extra(tok))
+  task_hooks = task.hooks(run) if hasattr(task, "hooks") else []
+  hooks = hooks_lib.Hooks([hooks_lib.Preemption(preemption, save), run.metrics_log, hooks_lib.Heartbeat(watchdog),
+                           hooks_lib.ProfileWindow(profiler), *([evaluate] if evaluate else []), save, *task_hooks,
+                           *extra_hooks])
+  if init is not None and evaluate is not None:  # the baseline a fine-tuning run's evaluations compare to
+    with run.timer.paused():  # not part of the first step's time
+      record = evaluate.evaluate(0, run)
+      writer.write(record)
+      writer.print(f"step 0 (init_from): eval loss {record['eval_loss']:.4f}")
   preemption.start_loop(distributed=jax.process_count() > 1)
   try:
-    for done in range(start + 1, cfg.steps + 1):
-      watchdog.beat(done, "loading data")
-      _, batch = next(batches)
-      watchdog.beat(done, "dispatching the step")
-      profiler.before(done)
-      state, metrics = train_fn(state, batch)
-      in_flight.append(metrics["loss"])
-      if len(in_flight) > 2:
-        in_flight.popleft().block_until_ready()
-      if preemption.reached(done):
-        if pending:
-          emit(*pending)
-        emit(done, metrics)  # the log ends with the step the checkpoint holds
-        save(done)
-        ckpt.wait()
-        writer.print(f"preempted: saved step {done} to {ckpt.directory / str(done)}; rerun the same command to resume")
-        return timing
-      if pending:
-        emit(*pending)
-        pending = None
-      if line := profiler.after(done, state):  # after the emit above, so the wait counts towards this step
-        clock["excluded"] += profiler.write_s  # writing the trace is not step time
-        clock["loop_excluded"] += profiler.write_s
-        writer.print(line)
-      if done % cfg.log_every == 0 or done in (start + 1, cfg.steps):  # the first step shows the starting loss
-        pending = (done, metrics)
-      writer.advance(done)
-      eval_due = eval_src is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
-      save_due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps
-      if eval_due or save_due:
-        if pending:  # keep the log in step order
-          emit(*pending)
-          pending = None
-        t_pause = time.perf_counter()  # eval and save time is kept out of step_time_s
-        if eval_due:
-          record = evaluate(state.params, done)
-          writer.write(record)
-          writer.print(f"step {done}: eval loss {record['eval_loss']:.4f}"
-                       + (f", {record['eval_bits_per_byte']:.3f} bits/byte" if "eval_bits_per_byte" in record else ""))
-        if save_due:
-          save(done)
-        clock["excluded"] += time.perf_counter() - t_pause
-        clock["loop_excluded"] += time.perf_counter() - t_pause
-    if pending:
-      emit(*pending)
-    if clock["loop_t"] is not None and cfg.steps > start + 1:
-      jax.block_until_ready(state)
-      timing.update(loop_s=time.perf_counter() - clock["loop_t"] - clock["loop_excluded"],
-                    loop_steps=cfg.steps - start - 1)
-      log(f"loop: {timing['loop_steps']} steps after the first in {timing['loop_s']:.2f}s "
-          f"({timing['loop_s'] / timing['loop_steps']:.4f} s/step, evaluation and checkpoints excluded)")
-    watchdog.beat(cfg.steps, "committing the last checkpoint")
-    ckpt.wait()
+    _loop(run, train_fn, batches, hooks)
   finally:
-    profiler.close()
-    watchdog.close()
+    hooks.close()  # the profile window, then the watchdog
     batches.close()
     try:
       ckpt.wait()   # an async save in flight is committed (or fails) before the process exits
     finally:
       ckpt.close()
       writer.close()
-  log(f"done: step {cfg.steps}; checkpoints in {ckpt.directory}; metrics in {writer.path}")
-  return timing
+  if not run.stopped:
+    log(f"done: step {cfg.steps}; checkpoints in {ckpt.directory}; metrics in {writer.path}")
+  return run.timing
+
+
+def _loop(run, train_fn, batches, hooks) -> None:
+  """The train loop: load a batch, dispatch the step, let the hooks do the rest (meshtrain/hooks.py)."""
+  import jax
+  in_flight = collections.deque()
+  for step in range(run.start + 1, run.last_step + 1):
+    run.beat(step, "loading data")
+    _, batch = next(batches)
+    hooks.before(step, run)
+    with jax.profiler.StepTraceAnnotation("train", step_num=step):
+      run.state, run.metrics = train_fn(run.state, batch)
+    # The host runs at most two steps ahead of the devices: enough to keep them fed, and it bounds the queue (on
+    # the CPU backend an unbounded queue of steps with collectives can starve its thread pool into a deadlock).
+    in_flight.append(run.metrics["loss"])
+    if len(in_flight) > 2:
+      in_flight.popleft().block_until_ready()
+    hooks.after(step, run)  # metrics one step late, profile window, eval, checkpoint, preemption
+    if run.stopped:
+      return
+  hooks.end(run)
+  run.beat(run.last_step, "committing the last checkpoint")
+  run.ckpt.wait()
+
+
+def startup_clock() -> float:
+  """Seconds since this process started (or, where unknown, since this module was imported)."""
+  from meshtrain import perf
+  since_start = perf.seconds_since_process_start()
+  return since_start if since_start is not None else time.perf_counter() - _IMPORTED
 
 
 def timed(fn):

@@ -1,0 +1,319 @@
+"""The train loop's periodic work, as hook objects, and the timer that keeps paused work out of step time.
+
+The loop (meshtrain/train.py `_loop`) only loads batches and dispatches steps; everything else is a hook, called
+in list order (Levanter's hooks, nanodo's periodic actions). The protocol:
+
+  class Hook:
+    def before(self, step, run): ...   before step `step` is dispatched (its batch is loaded)
+    def after(self, step, run): ...    after it was dispatched: run.state and run.metrics are its outputs, still on
+                                       the devices (reading them waits for the step; the metrics hook reads each
+                                       step's metrics one step late so the host never stalls the devices)
+    def end(self, run): ...            after the last step of a run that reached cfg.steps (not when stopped)
+    def close(self): ...               always, in the loop's `finally`, in reverse list order
+
+Every method is optional (the `Hook` base does nothing). A hook that sets `run.stopped = True` in `after` ends
+the loop after that step: the hooks after it in the list are not called for that step, `end` is not called.
+
+`Periodic(every)` is the base of work at every `every`-th step and at the last step (every=0: the last step only):
+its `run_at(step, run)` is called with the metrics due written first (metrics.jsonl stays in step order) and the
+timer paused (its time is neither step time nor loop time). Evaluation, checkpoints and a task's own hooks
+(`task.hooks(run)`, e.g. the DiT sample grid) are Periodic.
+
+`Run` is what hooks see: cfg, workdir, mesh, layout (layout.state_sharding.params, layout.batch_sharding), task,
+writer (MetricsWriter: write, print, image), timer (Timer: paused(), exclude()), ckpt (Checkpointer), start
+(the step the run resumed from, 0 when fresh), last_step (cfg.steps), state / params / metrics (current, on
+device), timing (what train() returns), beat(step, what) (the hang watchdog's heartbeat, for long work), and
+flush_metrics() (write the metrics due now).
+"""
+import contextlib
+import dataclasses
+import time
+
+from meshtrain.errors import RunAborted
+
+
+class Timer:
+  """Wall time of the loop with paused work taken out (big_vision's chrono): evaluation, checkpoints and trace
+  writing are kept out of step times and out of loop times."""
+
+  def __init__(self, step: int):
+    self.paused_s = 0.0             # every second paused since the loop started
+    self._mark, self._mark_step, self._paused_at_mark = time.perf_counter(), step, 0.0
+
+  @contextlib.contextmanager
+  def paused(self):
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.exclude(time.perf_counter() - t0)
+
+  def exclude(self, seconds: float) -> None:
+    """Takes `seconds` (measured by the caller, e.g. a trace write) out of the running step time."""
+    self.paused_s += seconds
+
+  def step_time(self, step: int) -> float:
+    """Seconds per step from the last call (or the loop's start) to now, paused time excluded; marks `step`."""
+    now = time.perf_counter()
+    seconds = (now - self._mark - (self.paused_s - self._paused_at_mark)) / max(step - self._mark_step, 1)
+    self._mark, self._mark_step, self._paused_at_mark = now, step, self.paused_s
+    return seconds
+
+
+class Hook:
+  """Does nothing at every point of the loop; subclasses override what they need (see the module docstring)."""
+
+  def before(self, step: int, run: "Run") -> None:
+    pass
+
+  def after(self, step: int, run: "Run") -> None:
+    pass
+
+  def end(self, run: "Run") -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+class Periodic(Hook):
+  """Work at every `every`-th step and at the last step, after the metrics due, with the timer paused."""
+
+  def __init__(self, every: int):
+    self.every = every
+
+  def due(self, step: int, run: "Run") -> bool:
+    return bool(self.every and step % self.every == 0) or step == run.last_step
+
+  def after(self, step: int, run: "Run") -> None:
+    if self.due(step, run):
+      run.flush_metrics()  # keep the log in step order
+      with run.timer.paused():
+        self.run_at(step, run)
+
+  def run_at(self, step: int, run: "Run") -> None:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass
+class Run:
+  """What the loop and its hooks share (see the module docstring)."""
+  cfg: object
+  workdir: object
+  mesh: object
+  layout: object
+  writer: object
+  timer: Timer
+  watchdog: object
+  ckpt: object
+  start: int
+  state: object
+  metrics_log: "MetricsLog" = None
+  metrics: dict | None = None
+  timing: dict = dataclasses.field(default_factory=dict)
+  stopped: bool = False
+
+  @property
+  def task(self):
+    return self.layout.task
+
+  @property
+  def params(self):
+    return self.state.params
+
+  @property
+  def last_step(self) -> int:
+    return self.cfg.steps
+
+  def beat(self, step: int, what: str) -> None:
+    self.watchdog.beat(step, what)
+
+  def flush_metrics(self) -> None:
+    if self.metrics_log is not None:
+      self.metrics_log.flush(self)
+
+
+class Hooks:
+  """A list of hooks called in order; `after` stops at a hook that stopped the run."""
+
+  def __init__(self, hooks: list[Hook]):
+    self.hooks = list(hooks)
+
+  def before(self, step: int, run: Run) -> None:
+    for hook in self.hooks:
+      hook.before(step, run)
+
+  def after(self, step: int, run: Run) -> None:
+    for hook in self.hooks:
+      hook.after(step, run)
+      if run.stopped:
+        return
+
+  def end(self, run: Run) -> None:
+    for hook in self.hooks:
+      hook.end(run)
+
+  def close(self) -> None:
+    """Every hook's close, last first, each even when an earlier one raised (the first error is re-raised)."""
+    error = None
+    for hook in reversed(self.hooks):
+      try:
+        hook.close()
+      except BaseException as e:  # pylint: disable=broad-except
+        error = error or e
+    if error is not None:
+      raise error
+
+
+class MetricsLog(Hook):
+  """Training metrics in metrics.jsonl, fetched one step late: the host reads a step's metrics after dispatching
+  the next one, so it never makes the devices wait. Also the non-finite check (stop, or count skipped steps),
+  the first step's start-up record and the progress bar."""
+
+  def __init__(self, run: Run, flops_per_example: float, peak: float, startup_clock):
+    import jax
+    self.pending = None               # (step, metrics on device) to fetch after the next dispatch
+    self.seen_nonfinite = int(jax.device_get(run.state.nonfinite_steps))
+    self.flops_per_example, self.peak = flops_per_example, peak
+    # () -> seconds since the process started, for the first step's start-up record
+    self.startup_clock = startup_clock
+
+  def after(self, step: int, run: Run) -> None:
+    self.flush(run)
+    if step % run.cfg.log_every == 0 or step in (run.start + 1, run.last_step):  # the first step: the starting loss
+      self.pending = (step, run.metrics)
+    run.writer.advance(step)
+
+  def end(self, run: Run) -> None:
+    self.flush(run)
+
+  def flush(self, run: Run) -> None:
+    if self.pending:
+      self.emit(*self.pending, run)
+      self.pending = None
+
+  def check_finite(self, metrics: dict, run: Run) -> None:
+    if int(metrics["nonfinite_steps"]) > self.seen_nonfinite and run.cfg.nonfinite == "stop":
+      raise RunAborted(f"the loss or gradients of step {int(metrics['last_nonfinite_step'])} are not finite; the "
+                       f"update was dropped and nothing after it was saved (latest checkpoint: "
+                       f"{run.ckpt.latest_step()}). Lower the learning rate or rerun with --config.nonfinite=skip to "
+                       f"skip such steps")
+
+  def emit(self, step: int, metrics: dict, run: Run) -> None:
+    import jax
+    run.beat(step, f"waiting for step {step}")
+    metrics = jax.device_get(metrics)
+    self.check_finite(metrics, run)
+    seconds = run.timer.step_time(step)
+    cfg, task = run.cfg, run.task
+    examples_per_sec = cfg.batch_size / seconds
+    record = {"step": step, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
+              "grad_norm": float(metrics["grad_norm"]), "step_time_s": seconds,
+              task.throughput_key: cfg.batch_size * task.units_per_example / seconds,
+              "mfu": self.flops_per_example * examples_per_sec / (self.peak * run.mesh.size)}
+    if metrics["nonfinite_steps"]:
+      record["skipped_steps"] = int(metrics["nonfinite_steps"])
+    if step == run.start + 1:  # the first step's time is mostly the first dispatch: start-up is the useful number
+      run.timing["startup_s"] = record["startup_s"] = self.startup_clock()
+      run.writer.print(f"start-up: first step done {run.timing['startup_s']:.1f}s after the process started "
+                       f"(compile {run.timing['compile_s']:.1f}s)")
+    run.writer.write(record)
+
+
+class Heartbeat(Hook):
+  """The hang watchdog's heartbeat before each dispatch (other work beats through run.beat); closes it."""
+
+  def __init__(self, watchdog):
+    self.watchdog = watchdog
+
+  def before(self, step: int, run: Run) -> None:
+    self.watchdog.beat(step, "dispatching the step")
+
+  def close(self) -> None:
+    self.watchdog.close()
+
+
+class ProfileWindow(Hook):
+  """`profile_steps=A-B`: a jax.profiler trace of steps A..B (meshtrain/profiling.py); writing it is paused time."""
+
+  def __init__(self, profiler):
+    self.profiler = profiler
+
+  def before(self, step: int, run: Run) -> None:
+    self.profiler.before(step)
+
+  def after(self, step: int, run: Run) -> None:
+    if line := self.profiler.after(step, run.state):  # the wait for the last step counts towards step time
+      run.timer.exclude(self.profiler.write_s)        # writing the trace does not
+      run.writer.print(line)
+
+  def close(self) -> None:
+    self.profiler.close()
+
+
+class Evaluate(Periodic):
+  """The task's eval sums over cfg.eval_batches micro-batch-sized batches of the eval split, at eval_every and at
+  the end; the record (task.eval_record) goes to metrics.jsonl and one line to the log."""
+
+  def __init__(self, every: int, eval_fn, source, extra):
+    super().__init__(every)
+    self.eval_fn, self.source, self.extra = eval_fn, source, extra
+
+  def evaluate(self, step: int, run: Run) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from meshtrain import data
+    layout, sums = run.layout, None
+    for i in range(run.cfg.eval_batches):
+      run.beat(step, f"evaluation batch {i}")
+      out = self.eval_fn(run.params, data.global_batch(self.source, i, layout.micro_batch, layout.batch_sharding),
+                         self.extra)
+      sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+    # Handed over as fetched (numpy scalars), so the task divides in the sums' own precision.
+    return {"step": step, **run.task.eval_record(jax.device_get(sums))}
+
+  def run_at(self, step: int, run: Run) -> None:
+    record = self.evaluate(step, run)
+    run.writer.write(record)
+    message = getattr(run.task, "eval_message", None)
+    run.writer.print(f"step {step}: " + (message(record) if message else f"eval loss {record['eval_loss']:.4f}"))
+
+
+class Checkpoint(Periodic):
+  """An async Orbax checkpoint at checkpoint_every and at the end, never of a run that should have stopped."""
+
+  def __init__(self, every: int, meta: dict):
+    super().__init__(every)
+    self.meta = meta  # what every checkpoint's meta item holds besides the data position
+
+  def run_at(self, step: int, run: Run) -> None:
+    self.save(step, run)
+
+  def save(self, step: int, run: Run) -> None:
+    import jax
+    cfg = run.cfg
+    if cfg.nonfinite == "stop":  # a save is a sync point anyway: never keep a run that should have stopped
+      run.metrics_log.check_finite(
+          jax.device_get({k: getattr(run.state, k) for k in ("nonfinite_steps", "last_nonfinite_step")}), run)
+    run.beat(step, "saving a checkpoint")
+    run.ckpt.save(step, run.state, {**self.meta, "data": {"next_step": step, "seed": cfg.seed,
+                                                          "batch_size": cfg.batch_size, "name": cfg.data.name}})
+
+
+class Preemption(Hook):
+  """A preemption notice (SIGTERM, or a peer's) stops the run after the step it arrived in: its metrics are written,
+  a checkpoint of it is saved and committed, and the loop returns (exit 0; rerunning the command resumes)."""
+
+  def __init__(self, notice, checkpoint: Checkpoint):
+    self.notice, self.checkpoint = notice, checkpoint
+
+  def after(self, step: int, run: Run) -> None:
+    if not self.notice.reached(step):
+      return
+    run.flush_metrics()
+    run.metrics_log.emit(step, run.metrics, run)  # the log ends with the step the checkpoint holds
+    self.checkpoint.save(step, run)
+    run.ckpt.wait()
+    run.writer.print(f"preempted: saved step {step} to {run.ckpt.directory / str(step)}; rerun the same command to "
+                     "resume")
+    run.stopped = True
