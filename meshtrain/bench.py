@@ -1,4 +1,4 @@
-"""Benchmark the real train step: step time, tokens/s, model FLOPs, MFU against the device's peak.
+"""Benchmark the real train step: step time, tokens/s (images/s), model FLOPs, MFU against the device's peak.
 
   python -m meshtrain.bench --config configs/tiny.py [--config.KEY=VALUE ...] [--steps 10] [--json]
 
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from meshtrain import config as config_lib, perf
+from meshtrain import config as config_lib, hooks, perf
 from meshtrain.errors import ArgumentParser, UserError
 
 
@@ -51,6 +51,7 @@ def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
   from meshtrain import data, layout as layout_lib, mesh as mesh_lib
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh)
+  task = layout.task
   src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
   t0 = time.perf_counter()
   step_fn = layout.compile_train_step()
@@ -72,26 +73,29 @@ def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
     times.append(time.perf_counter() - t0)  # the loss is read after the clock stops
     losses.append(float(metrics["loss"]))
   step_s = statistics.median(times)
-  tokens = cfg.batch_size * cfg.seq_len
-  flops_per_token = perf.model_flops(cfg, layout.table)
+  units = cfg.batch_size * task.units_per_example  # tokens (LM) or images (DiT) per step
+  unit = task.throughput_key.removesuffix("_per_sec").removesuffix("s")  # "token", "image"
+  flops_per_example = task.flops_per_example(layout.table)
   peak, peak_source = perf.device_peak(mesh, cfg.model.dtype)
   mem = step_fn.memory_analysis()
   # What the device's allocator saw (GPU: peak_bytes_in_use, bytes_limit); None on the CPU, which keeps no stats.
   device_mem = mesh.devices.flat[0].memory_stats()
-  achieved = flops_per_token * tokens / step_s
+  achieved = flops_per_example * cfg.batch_size / step_s
+  shape = ({"attention": layout.model.cfg.attention, "seq_len": cfg.seq_len} if cfg.task == "lm" else
+           {k: cfg.model[k] for k in ("image_size", "channels", "patch_size")})
   return {
-      "tokens_per_sec": tokens / step_s, "step_time_s": step_s, "step_time_min_s": min(times),
+      task.throughput_key: units / step_s, "step_time_s": step_s, "step_time_min_s": min(times),
       "step_time_max_s": max(times), "mfu": achieved / (peak * mesh.size), "peak_flops": peak,
-      "peak_source": peak_source, "achieved_flops": achieved, "model_flops_per_token": flops_per_token,
+      "peak_source": peak_source, "achieved_flops": achieved, f"model_flops_per_{unit}": flops_per_example /
+      task.units_per_example, "model_flops_per_example": flops_per_example, "task": cfg.task,
       "compile_time_s": compile_s, "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind,
       "mesh": dict(mesh.shape), "memory_per_device_bytes": {
           "arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
           "temporaries": mem.temp_size_in_bytes},
       "device_peak_bytes_in_use": (device_mem or {}).get("peak_bytes_in_use"),
       "device_bytes_limit": (device_mem or {}).get("bytes_limit"),
-      "attention": layout.model.cfg.attention, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
-      "param_dtype": cfg.model.param_dtype, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-      "jax_version": jax.__version__,
+      "remat": cfg.model.remat, "dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype,
+      "batch_size": cfg.batch_size, **shape, "jax_version": jax.__version__,
       "loss": losses[-1], "losses": losses,
   }
 
@@ -131,17 +135,43 @@ def data_throughput(cfg, seconds: float) -> dict:
   return result
 
 
+class LoopClock(hooks.Hook):
+  """A train-loop hook (meshtrain/hooks.py) that times the loop from the moment the first step's metrics are fetched
+  (start-up and the first dispatch are behind it) to the end, every step's result on the devices, the loop's
+  paused time (evaluation, checkpoints, trace writing) excluded."""
+
+  def __init__(self):
+    self.t0 = self.paused0 = self.first = None
+    self.seconds, self.steps = None, 0
+
+  def after(self, step, run):
+    # Called after the metrics hook: at the second step it has fetched the first step's metrics.
+    if step == run.start + 2:
+      self.t0, self.paused0, self.first = time.perf_counter(), run.timer.paused_s, step - 1
+
+  def end(self, run):
+    import jax
+    if self.t0 is None:
+      return
+    jax.block_until_ready(run.state)
+    self.seconds = time.perf_counter() - self.t0 - (run.timer.paused_s - self.paused0)
+    self.steps = run.last_step - self.first
+    run.writer.print(f"loop: {self.steps} steps after the first in {self.seconds:.2f}s "
+                     f"({self.seconds / self.steps:.4f} s/step, evaluation and checkpoints excluded)")
+
+
 def loop_efficiency(cfg, steps: int, step_s: float) -> dict:
   """Runs the train loop itself for `steps` steps and compares its wall time with `step_s` x steps."""
   from meshtrain import train
   cfg = cfg.copy_and_resolve_references()
   cfg.unlock()
   cfg.update(steps=steps, eval_every=0, checkpoint_every=0, log_every=max(1, steps // 5), profile_steps="")
+  clock = LoopClock()
   # The loop's own log goes to stderr, so --json output stays one object on stdout.
   with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as workdir, contextlib.redirect_stdout(sys.stderr):
-    timing = train.train(cfg, pathlib.Path(workdir))
-  loop_step_s = timing["loop_s"] / timing["loop_steps"]
-  return {"loop_step_time_s": loop_step_s, "loop_efficiency": loop_step_s / step_s, "loop_steps": timing["loop_steps"]}
+    train.train(cfg, pathlib.Path(workdir), hooks=[clock])
+  loop_step_s = clock.seconds / clock.steps
+  return {"loop_step_time_s": loop_step_s, "loop_efficiency": loop_step_s / step_s, "loop_steps": clock.steps}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_lib.load(args.config, overrides)
     if args.data_only and (args.loop or args.tokens):
       raise UserError("--data-only times the input pipeline and one fixed-batch step; drop --loop / --tokens")
+    if cfg.task != "lm" and (args.data_only or args.tokens):
+      raise UserError(f"--data-only and --tokens time a text pipeline and take token batches; task={cfg.task} has "
+                      "neither: drop them")
     if args.data_only and cfg.data.name == "synthetic":
       raise UserError("--data-only times reading and tokenizing a dataset, and data.name=synthetic has none; use "
                       "a config with a TFDS dataset (e.g. configs/tiny_bpe.py)")

@@ -7,6 +7,8 @@ import pathlib
 
 import tqdm
 
+THROUGHPUT_KEYS = ("tokens_per_sec", "images_per_sec")  # the tasks' throughput_key: shown whole on the progress bar
+
 
 class MetricsWriter:
   def __init__(self, workdir: str | pathlib.Path, total_steps: int, start_step: int, enabled: bool = True):
@@ -51,10 +53,21 @@ class MetricsWriter:
     for key, value in record.items():
       if key != "step" and isinstance(value, (int, float)):
         self._tb.add_scalar(key, value, record["step"])
-    shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_sec") if k in record}
+    shown = {k: record[k] for k in ("loss", "eval_loss", *THROUGHPUT_KEYS) if k in record}
     if shown:
-      self._bar.set_postfix({k: f"{v:,.3f}" if k != "tokens_per_sec" else f"{v:,.0f}" for k, v in shown.items()},
+      self._bar.set_postfix({k: f"{v:,.0f}" if k in THROUGHPUT_KEYS else f"{v:,.3f}" for k, v in shown.items()},
                             refresh=False)
+
+  def image(self, tag: str, image_HWC, step: int) -> None:
+    """A TensorBoard image summary: uint8 [H, W, C] (C = 1 or 3), e.g. a grid of samples."""
+    if not self.enabled:
+      return
+    import numpy as np
+    image_HWC = np.asarray(image_HWC)
+    if image_HWC.dtype != np.uint8 or image_HWC.ndim != 3 or image_HWC.shape[-1] not in (1, 3):
+      raise ValueError(f"MetricsWriter.image takes uint8 [H, W, 1 or 3], got {image_HWC.dtype} {image_HWC.shape}")
+    self._tb.add_image(tag, image_HWC, step, dataformats="HWC")
+    self._tb.flush()
 
   def advance(self, step: int) -> None:
     if self.enabled:
