@@ -508,6 +508,9 @@ def _check_dit(cfg) -> None:
                     "1 conditional only, above 1 stronger)")
   if not 0 <= s.seed <= MAX_SEED:
     raise UserError(f"sample.seed={s.seed} is out of range; use 0 <= seed <= {MAX_SEED}")
+  if cfg.init_from:
+    raise UserError(f"init_from={cfg.init_from!r}: fine-tuning from another run's parameters is for language models "
+                    "(task=lm) only so far; drop init_from to train the diffusion transformer from scratch")
   for key in ("image_key", "label_key"):
     if not cfg.data[key].strip():
       raise UserError(f"data.{key} is empty; name the dataset's image and label features (e.g. image and label)")

@@ -28,6 +28,7 @@ from jax.sharding import AbstractMesh
 from meshtrain import mesh as mesh_lib, optim, perf, sharding
 from meshtrain.hlo import Collective
 from meshtrain.models.llama import REMAT_POLICIES, Block, ModelConfig, Transformer
+from meshtrain.tasks import lm
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -162,7 +163,7 @@ def _pipeline_shape(cfg, stages: int) -> tuple[int, int, int]:
   if stages == 1:
     return 1, 1, 1
   micro = cfg.pipeline.microbatches
-  repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+  repeats = lm.pipeline_repeats(cfg, stages)
   return micro, repeats, repeats * micro + stages - 1
 
 

@@ -396,6 +396,9 @@ def parse_args(argv: list[str]):
     saved = json.loads(meta_path.read_text())["config"]
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise UserError(f"cannot read the run's config from {meta_path}: {e}") from e
+  if (task := saved.get("task", "lm")) != "lm":  # runs from before tasks are language models
+    raise UserError(f"{args.workdir} was trained with task={task}; generate needs a language model (task=lm); for a "
+                    "diffusion transformer use python -m meshtrain.sample --workdir W --out FILE.png")
   cfg = config_lib.base_config()
   # One device by default on the CPU: simulated devices are threads sharing the same cores, so splitting a decode
   # over them only adds collectives. --config.cpu_devices=8 with mesh overrides simulates a mesh, as train does.

@@ -6,7 +6,9 @@ The N devices are simulated CPU devices and no array is allocated: XLA compiles 
 `python -m meshtrain.train` runs, same shardings) from shapes, so a 64-device layout of an 8B model is checked
 on a laptop in under a minute. Reported per device: parameter, optimizer-state, gradient and temporary bytes,
 the total against --hbm, FLOPs per step and every collective (kind, mesh axes, count and bytes per step), each
-next to the analytic expectation of meshtrain/estimate.py and the ratio measured / expected.
+next to the analytic expectation of meshtrain/estimate.py and the ratio measured / expected. estimate.py models the
+language model (task=lm) only: for another task (task=dit) the compiled figures and the task's model FLOPs per
+example are reported without an expectation.
 
 What compiling on the CPU cannot show: GPU kernels (cuDNN fused attention keeps no [L, L] scores, so GPU
 temporaries are lower for long sequences) and GPU collective choices (the CPU backend all-reduces where GPUs
@@ -38,7 +40,10 @@ class Report:
   temp_bytes_per_device: int           # XLA: gradients, activations and scratch during the step
   flops_per_step: float                # per device, every dot in the compiled program x its loop trip count
   collectives: list
-  expected: object                     # estimate.Estimate
+  expected: object                     # estimate.Estimate; None for a task estimate.py does not model (not lm)
+  task: str = "lm"
+  model_flops_per_example: float = 0.0  # the task's formula (task.flops_per_example): the MFU numerator per example
+  batch_size: int = 0
 
   @property
   def total_bytes_per_device(self) -> int:
@@ -46,25 +51,28 @@ class Report:
 
   def to_json(self, hbm_bytes: float) -> dict:
     e = self.expected
-    return {
+    out = {
         "devices": self.devices, "mesh": self.mesh, "compile_time_s": self.compile_time_s,
         "params_bytes_total": self.params_bytes_total, "params_bytes_per_device": self.params_bytes_per_device,
         "optimizer_bytes_per_device": self.optimizer_bytes_per_device,
-        "gradient_bytes_per_device": e.gradient_bytes_per_device,
         "argument_bytes_per_device": self.argument_bytes_per_device,
         "temp_bytes_per_device": self.temp_bytes_per_device, "total_bytes_per_device": self.total_bytes_per_device,
         "hbm_bytes": hbm_bytes, "fits": self.total_bytes_per_device <= hbm_bytes,
         "spare_bytes": hbm_bytes - self.total_bytes_per_device, "flops_per_step": self.flops_per_step,
         "collectives": [dataclasses.asdict(c) for c in self.collectives],
-        "expected": {
+        "task": self.task, "model_flops_per_example": self.model_flops_per_example,
+        "model_flops_per_step": self.model_flops_per_example * self.batch_size / self.devices,
+    }
+    if e is None:
+      return {**out, "gradient_bytes_per_device": None, "expected": None}
+    return {**out, "gradient_bytes_per_device": e.gradient_bytes_per_device, "expected": {
             "params_bytes_per_device": e.params_bytes_per_device,
             "optimizer_bytes_per_device": e.optimizer_bytes_per_device,
             "gradient_bytes_per_device": e.gradient_bytes_per_device,
             "activation_bytes_per_device": e.activation_bytes_per_device,
             "temp_bytes_per_device": e.temp_bytes_per_device, "total_bytes_per_device": e.total_bytes_per_device,
             "flops_per_step": e.flops_per_step, "model_flops_per_step": e.model_flops_per_step,
-            "collectives": [dataclasses.asdict(c) for c in e.collectives]},
-    }
+            "collectives": [dataclasses.asdict(c) for c in e.collectives]}}
 
 
 def _shard_bytes(tree) -> int:
@@ -85,7 +93,8 @@ def inspect(cfg) -> Report:
   compile_s = time.perf_counter() - t0
   text = compiled.as_text()
   mem = compiled.memory_analysis()
-  expected = estimate.estimate(cfg, dict(mesh.shape))
+  # estimate.py is an analytic model of the language model alone: other tasks get the compiled figures only.
+  expected = estimate.estimate(cfg, dict(mesh.shape)) if cfg.task == "lm" else None
   batch = layout.batch_abstract(cfg.batch_size)
   return Report(
       devices=mesh.size, mesh={k: v for k, v in mesh.shape.items() if v > 1}, compile_time_s=compile_s,
@@ -94,7 +103,8 @@ def inspect(cfg) -> Report:
       optimizer_bytes_per_device=_shard_bytes(layout.state_abstract.opt_state),
       batch_bytes_per_device=_shard_bytes(batch),
       argument_bytes_per_device=mem.argument_size_in_bytes, temp_bytes_per_device=mem.temp_size_in_bytes,
-      flops_per_step=hlo.dot_flops(text), collectives=hlo.collectives(text, mesh), expected=expected)
+      flops_per_step=hlo.dot_flops(text), collectives=hlo.collectives(text, mesh), expected=expected,
+      task=cfg.task, model_flops_per_example=layout.task.flops_per_example(layout.table), batch_size=cfg.batch_size)
 
 
 def _gb(b: float) -> str:
@@ -106,6 +116,8 @@ def _ratio(measured: float, expected: float) -> str:
 
 
 def format_report(r: Report, hbm_bytes: float) -> str:
+  if r.expected is None:
+    return _format_compiled(r, hbm_bytes)
   e = r.expected
   rows = [("per device", "compiled", "expected", "ratio"),
           ("parameters", _gb(r.params_bytes_per_device), _gb(e.params_bytes_per_device),
@@ -145,6 +157,29 @@ def format_report(r: Report, hbm_bytes: float) -> str:
       crow.append((x.kind, ",".join(x.axes), "0", "0", str(x.count), _gb(x.bytes), "0.00"))
   widths = [max(len(row[i]) for row in crow) for i in range(7)]
   lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in crow]
+  return "\n".join(lines)
+
+
+def _format_compiled(r: Report, hbm_bytes: float) -> str:
+  """The report of a task without an analytic model (estimate.py models the language model only)."""
+  rows = [("parameters", _gb(r.params_bytes_per_device)), ("optimizer state", _gb(r.optimizer_bytes_per_device)),
+          ("batch", _gb(r.batch_bytes_per_device)), ("arguments (+ batch)", _gb(r.argument_bytes_per_device)),
+          ("temporaries", _gb(r.temp_bytes_per_device)), ("total", _gb(r.total_bytes_per_device)),
+          ("FLOPs per step (compiled dots)", f"{r.flops_per_step:.4g}"),
+          ("model FLOPs per step (formula)", f"{r.model_flops_per_example * r.batch_size / r.devices:.4g}")]
+  width = max(len(k) for k, _ in rows)
+  lines = [f"mesh: {' x '.join(f'{k}={v}' for k, v in r.mesh.items()) or 'data=1'} ({r.devices} devices); "
+           f"task={r.task}; {r.params_bytes_total / GB:,.3f} GB of parameters in total; compiled in "
+           f"{r.compile_time_s:.1f} s",
+           f"model FLOPs per example (task formula, forward + backward): {r.model_flops_per_example:,.0f}",
+           f"per device, as compiled (no analytic expectation: meshtrain/estimate.py models task=lm only):"]
+  lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+  spare = hbm_bytes - r.total_bytes_per_device
+  lines.append(f"against {hbm_bytes / GB:g} GB per device: " + (f"fits with {_gb(spare)} to spare" if spare >= 0
+                                                                  else f"short by {_gb(-spare)}"))
+  lines.append("collectives per device per step (compiled):")
+  for c in r.collectives:
+    lines.append(f"  {c.kind:<20} {','.join(c.axes) or '-':<16} {c.count:>5}  {_gb(c.bytes)}")
   return "\n".join(lines)
 
 

@@ -84,18 +84,21 @@ def _nodes_split(sizes: dict, nodes: int) -> dict | None:
 def layouts(cfg, devices: int, nodes: int):
   """Every layout worth estimating for this model on `devices` devices in `nodes` nodes."""
   from meshtrain import mesh as mesh_lib
+  from meshtrain.tasks import lm
   m = cfg.model
   per_node = devices // nodes
   axes = [a for a in mesh_lib.AXES if a != "expert" or m.num_experts]
   for combo in _factorizations(devices, len(axes)):
     sizes = {a: 1 for a in mesh_lib.AXES} | dict(zip(axes, combo))
-    stage, seq, tensor = sizes["stage"], sizes["sequence"], sizes["tensor"]
+    stage, tensor = sizes["stage"], sizes["tensor"]
     if sizes["tensor"] * sizes["sequence"] * sizes["expert"] > per_node:
       continue                                    # per-layer collectives stay on the fast links
-    if m.num_heads % tensor or m.mlp_dim % tensor or m.num_layers % stage or cfg.seq_len % (2 * seq):
+    if m.num_heads % tensor or m.mlp_dim % tensor:
+      continue                                    # the weights would not split evenly
+    try:  # the combinations the model cannot run, from the one place that refuses them
+      lm.check_parallelism(cfg, sizes, microbatches=stage)  # (micro-batches below are multiples of the stages)
+    except UserError:
       continue
-    if stage > 1 and (seq > 1 or m.num_experts):
-      continue                                    # combinations meshtrain rejects (see layout.build)
     across = _nodes_split(sizes, nodes)
     if across is None:
       continue
@@ -314,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
       raise UserError(f"--top must be >= 1 (rows to print) and --verify >= 0 (layouts to compile; 0: none); got "
                       f"--top {args.top} --verify {args.verify}")
     cfg = config_lib.load(args.config, [*overrides, f"--config.cpu_devices={args.devices}"])
+    if cfg.task != "lm":
+      raise UserError(f"plan ranks layouts with an analytic model of the language model (meshtrain/estimate.py) and "
+                      f"has none for task={cfg.task} yet; compile a layout instead: python -m meshtrain.inspect "
+                      f"--config {args.config} --devices {args.devices} [--config.mesh.*=...]")
     os.environ["JAX_PLATFORMS"] = "cpu"  # shapes and simulated devices only, whatever this machine has
     from meshtrain import runtime
     runtime.start(cfg)

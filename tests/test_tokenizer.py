@@ -183,7 +183,7 @@ def test_bits_per_byte_of_a_bpe_batch_by_hand(bpe_dir):
   layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1]))
   params = layout.init(0).params
   out = jax.device_get(layout.compile_eval_step()(params, jax.device_put(batch, layout.batch_sharding),
-                                                  layout.token_bytes_table(tok.token_bytes())))
+                                                  layout.eval_extra(tok)))
   targets = batch["targets"]
   valid = targets >= 0
   # The valid targets, row after row, are one stretch of the stream: decoded at once (EOS skipped), whole

@@ -25,10 +25,12 @@ def pipeline_repeats(cfg, stages: int) -> int:
   return cfg.pipeline.repeats if stages > 1 and cfg.pipeline.schedule == "circular" else 1
 
 
-def check_parallelism(cfg, sizes: dict[str, int]) -> None:
+def check_parallelism(cfg, sizes: dict[str, int], microbatches: int | None = None) -> None:
   """Refuses (UserError) the mesh axis `sizes` (name -> total size) this model cannot run with. The one place these
-  rules live: the layout calls it before building anything, the planner to skip such layouts."""
+  rules live: the layout calls it before building anything, the planner to skip such layouts (with its own
+  `microbatches`, default pipeline.microbatches)."""
   stages, shards, p, m = sizes.get("stage", 1), sizes.get("sequence", 1), cfg.pipeline, cfg.model
+  microbatches = p.microbatches if microbatches is None else microbatches
   repeats = pipeline_repeats(cfg, stages)
   if m.num_layers % (stages * repeats):
     raise UserError(f"model.num_layers={m.num_layers} cannot be split into mesh.stage={stages} x "
@@ -43,8 +45,8 @@ def check_parallelism(cfg, sizes: dict[str, int]) -> None:
   if stages > 1 and shards > 1:
     raise UserError("pipeline stages (mesh.stage > 1) with context parallelism (mesh.sequence > 1) are not "
                     "supported: ring attention's shard_map cannot run inside the pipeline's stage vmap; use one of them")
-  if stages > 1 and p.schedule == "circular" and p.microbatches < stages:
-    raise UserError(f"the circular schedule needs pipeline.microbatches >= mesh.stage ({p.microbatches} < {stages})")
+  if stages > 1 and p.schedule == "circular" and microbatches < stages:
+    raise UserError(f"the circular schedule needs pipeline.microbatches >= mesh.stage ({microbatches} < {stages})")
   if shards > 1:
     chunks = 2 * shards if cfg.sharding.causal_load_balance else shards
     if cfg.seq_len % chunks:
