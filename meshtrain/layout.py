@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, optim, sharding, step as step_lib, tasks
+from meshtrain.errors import UserError
 
 
 @dataclasses.dataclass
