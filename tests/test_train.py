@@ -1,4 +1,5 @@
 """The train command end to end: outputs, exact resume, restore onto another mesh, incompatible checkpoints."""
+import gzip
 import json
 import shutil
 
@@ -47,7 +48,11 @@ def test_outputs(uninterrupted):
   # (one interval can absorb its neighbour's compute when dispatch blocks, so only the median is bounded by 1).
   assert max(ratios) == pytest.approx(min(ratios), rel=1e-9) and 0 < np.median([r["mfu"] for r in train_records]) < 1
   assert train_records[0]["startup_s"] > 0 and all("startup_s" not in r for r in train_records[1:])
-  assert list((uninterrupted / "profile").rglob("perfetto_trace.json.gz"))
+  [trace] = list((uninterrupted / "profile").rglob("perfetto_trace.json.gz"))
+  # Each profiled step is one StepTraceAnnotation ("train", step_num), so the profiler shows step boundaries.
+  events = json.loads(gzip.decompress(trace.read_bytes()))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  assert sorted(e["args"]["step_num"] for e in events if e.get("name") == "train") == ["2", "3"]
   evals = [r for r in logged if "eval_loss" in r]
   assert [r["step"] for r in evals] == [3, 6] and all(r["eval_bits_per_byte"] > 0 for r in evals)
   assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir()) == ["3", "6"]
