@@ -31,6 +31,9 @@ import time
 
 from meshtrain.errors import RunAborted
 
+# The train step's own metrics (meshtrain/step.py), besides the count named after the task's unit.
+STEP_METRICS = ("loss", "grad_norm", "learning_rate", "nonfinite_steps", "last_nonfinite_step")
+
 
 class Timer:
   """Wall time of the loop with paused work taken out (big_vision's chrono): evaluation, checkpoints and trace
@@ -211,6 +214,9 @@ class MetricsLog(Hook):
               "grad_norm": float(metrics["grad_norm"]), "step_time_s": seconds,
               task.throughput_key: cfg.batch_size * task.units_per_example / seconds,
               "mfu": self.flops_per_example * examples_per_sec / (self.peak * run.mesh.size)}
+    # The loss's other scalars as they are (the LM's MoE router statistics, moe_*): the task's aux metrics.
+    record.update({k: float(v) for k, v in metrics.items() if k not in STEP_METRICS
+                   and k != task.throughput_key.removesuffix("_per_sec")})
     if metrics["nonfinite_steps"]:
       record["skipped_steps"] = int(metrics["nonfinite_steps"])
     if step == run.start + 1:  # the first step's time is mostly the first dispatch: start-up is the useful number

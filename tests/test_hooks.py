@@ -101,7 +101,8 @@ def hooked_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("hooks")
   cfg = train.config_lib.load("configs/tiny.py", [
       "--config.steps=5", "--config.seq_len=32", "--config.log_every=1", "--config.eval_every=0",
-      "--config.checkpoint_every=0", "--config.optimizer.warmup_steps=1", "--config.model.num_layers=1"])
+      "--config.checkpoint_every=0", "--config.optimizer.warmup_steps=1", "--config.model.num_layers=1",
+      "--config.model.num_experts=2", "--config.model.experts_per_token=1"])  # MoE: the loss has metrics of its own
   probe, clock = Probe(workdir), bench.LoopClock()
   timing = train.train(cfg, workdir, hooks=[probe, clock])
   return workdir, probe, clock, timing
@@ -117,6 +118,9 @@ def test_an_attached_hook_sees_every_step_in_order_with_metrics_written_first(ho
   paused = [p for _, _, p, _ in probe.seen]
   assert paused[1] - paused[0] >= 0.2
   assert timing["startup_s"] > 0 and timing["compile_s"] > 0
+  # The task's own scalars (the MoE router's) are logged with each step.
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert all(r["moe_aux_loss"] > 0 and 0 <= r["moe_dropped_fraction"] < 1 for r in records)
 
 
 def test_bench_loop_clock_times_the_loop_from_outside(hooked_run):
