@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"stopped: {e}", file=sys.stderr)
     return 3
   except MemoryError as e:  # a host-side array of the model or batch (numpy): the sizes asked for are too large
-    sizes = f" for batch_size={cfg.batch_size}, seq_len={cfg.seq_len}" if cfg is not None else ""
-    print(f"error: out of host memory{sizes} ({' '.join(str(e).split())[:200] or 'MemoryError'}); lower seq_len or "
-          "batch_size, and see what a layout needs per device with python -m meshtrain.inspect", file=sys.stderr)
+    lm = cfg is None or cfg.task == "lm"
+    sizes = "" if cfg is None else f" for batch_size={cfg.batch_size}" + (f", seq_len={cfg.seq_len}" if lm else "")
+    print(f"error: out of host memory{sizes} ({' '.join(str(e).split())[:200] or 'MemoryError'}); lower "
+          f"{'seq_len or ' if lm else ''}batch_size, and see what a layout needs per device with python -m "
+          "meshtrain.inspect", file=sys.stderr)
     return 2
   return 0
 

@@ -186,3 +186,19 @@ def test_plan_refuses_a_task_it_has_no_model_for(tmp_path):
                          "h100"], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and "has none for task=dit yet" in proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_inspect_reports_a_task_without_an_analytic_model_as_compiled():
+  from meshtrain import hlo, inspect
+  report = inspect.Report(devices=8, mesh={"data": 8}, compile_time_s=1.0, params_bytes_total=4_000_000,
+                          params_bytes_per_device=4_000_000, optimizer_bytes_per_device=8_000_000,
+                          batch_bytes_per_device=4096, argument_bytes_per_device=12_004_096,
+                          temp_bytes_per_device=3_000_000, flops_per_step=2.5e9,
+                          collectives=[hlo.Collective("all-reduce", ("data",), 3, 4_000_000, True)], expected=None,
+                          task="dit", model_flops_per_example=1.5e8, batch_size=64)
+  text = inspect.format_report(report, 80e9)
+  assert "task=dit" in text and "no analytic expectation" in text and "150,000,000" in text
+  assert "model FLOPs per step (formula)  1.2e+09" in text  # 1.5e8 x 64 images / 8 devices
+  as_json = report.to_json(80e9)
+  assert as_json["expected"] is None and as_json["model_flops_per_step"] == 1.5e8 * 64 / 8
+  assert as_json["total_bytes_per_device"] == 15_004_096 and as_json["fits"]
