@@ -38,6 +38,19 @@ Contract (each task module defines a class with these members, built by `build(c
   flops_per_example(table: list[sharding.ParamRow]) -> float
       Model FLOPs of one training example (forward and backward, matmuls and attention, by formula): the MFU
       numerator, shared by the loop, bench, inspect and plan.
+
+Details the core relies on (meshtrain/layout.py, meshtrain/hooks.py):
+  - `eval_extra(None)` has the structure and shapes of the real extra: it is the eval step's compile-time template.
+    The loop hands `eval_record` the summed eval_sums as fetched (numpy float32 scalars), so a division there keeps
+    the precision it had.
+  - The train step's metrics name the count after the unit of `throughput_key` ("tokens", "images"); every other
+    scalar of the loss's aux (e.g. the LM's moe_*) is averaged over micro-batches and written to metrics.jsonl.
+Optional members (the core has a default without them):
+  hooks(run) -> list[hooks.Hook]  periodic work of the task's own (DiT: a sample grid + quality at eval_every);
+                                  called once the run is set up, run after the loop's own hooks. Default [].
+  eval_message(record) -> str     the log line after "step N: " (LM: eval loss and bits/byte). Default: eval loss.
+  layer_order: str                how stacked layers are stored; a checkpoint of another order is refused.
+                                  Default "sequential".
 """
 KINDS = ("lm", "dit")
 
