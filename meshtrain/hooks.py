@@ -19,6 +19,11 @@ its `run_at(step, run)` is called with the metrics due written first (metrics.js
 timer paused (its time is neither step time nor loop time). Evaluation, checkpoints and a task's own hooks
 (`task.hooks(run)`, e.g. the DiT sample grid) are Periodic.
 
+The loop's list, in order: Preemption, MetricsLog, Heartbeat, ProfileWindow, Evaluate (with eval_every),
+Checkpoint, then the task's (`task.hooks(run)`), then those passed to `train.train(cfg, workdir, hooks=[...])`
+(bench's loop clock). Every process runs every hook: work that calls compiled functions on sharded arrays must run
+on all processes alike; the writer writes on process 0 only.
+
 `Run` is what hooks see: cfg, workdir, mesh, layout (layout.state_sharding.params, layout.batch_sharding), task,
 writer (MetricsWriter: write, print, image), timer (Timer: paused(), exclude()), ckpt (Checkpointer), start
 (the step the run resumed from, 0 when fresh), last_step (cfg.steps), state / params / metrics (current, on
