@@ -1,0 +1,152 @@
+"""python -m meshtrain.sample: the labelled grid, the raw samples, and every bad input as one error line (exit 2)."""
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from meshtrain import checkpoint, sample
+from meshtrain.errors import UserError
+
+
+def grid_cell(grid, row, col, cell):
+  """The pixels of image `col` of grid row `row` (col -1: the label square), as grid_image lays them out."""
+  gap = sample.GRID_GAP_PX
+  top, left = gap + row * (cell + gap), gap + (1 + col) * (cell + gap)
+  return grid[top:top + cell, left:left + cell]
+
+
+def test_grid_rows_are_classes_with_labels(tmp_path):
+  rng = np.random.default_rng(0)
+  images = rng.uniform(0, 1, (7, 8, 8, 1)).astype(np.float32)
+  labels = np.array([3, 1, 3, 1, 7, 3, 1])
+  grid = sample.save_grid(tmp_path / "g" / "grid.png", images, labels)
+  cell = 48  # 8x8 upscaled 6x
+  assert grid.dtype == np.uint8 and grid.shape == (2 + 3 * (cell + 2), 2 + 4 * (cell + 2), 1)
+  # Rows 1, 3, 7 (ascending); in each, that class's images in their order, upscaled by repetition.
+  for row, members in enumerate([[1, 3, 6], [0, 2, 5], [4]]):
+    for col, i in enumerate(members):
+      want = np.round(images[i] * 255).astype(np.uint8).repeat(6, 0).repeat(6, 1)
+      assert (grid_cell(grid, row, col, cell) == want).all()
+  assert (grid_cell(grid, 2, 1, cell) == sample.GRID_BACKGROUND).all()  # class 7 has one image: the rest is empty
+  labels_drawn = [grid_cell(grid, row, -1, cell) for row in range(3)]
+  assert all((square > 200).sum() > 20 for square in labels_drawn)  # white text on black
+  assert not (labels_drawn[0] == labels_drawn[1]).all() and not (labels_drawn[1] == labels_drawn[2]).all()
+  # The PNG on disk is the same picture.
+  assert (np.asarray(Image.open(tmp_path / "g" / "grid.png")) == grid[..., 0]).all()
+  assert not list((tmp_path / "g").glob("*.tmp"))
+
+
+def test_grid_clips_and_takes_colour():
+  images = np.zeros((2, 28, 28, 3), np.float32)
+  images[0] = 1.7   # past the range: white
+  images[1, ..., 2] = -0.5  # below it: black
+  grid = sample.grid_image(images, [0, 0])
+  assert grid.shape == (2 + 56 + 2, 2 + 3 * (56 + 2), 3)  # 28x28 upscaled 2x
+  assert (grid_cell(grid, 0, 0, 56) == 255).all() and (grid_cell(grid, 0, 1, 56) == 0).all()
+  with pytest.raises(ValueError, match="a grid needs images"):
+    sample.grid_image(np.zeros((2, 8, 8)), [0, 1])
+
+
+def test_save_samples(tmp_path):
+  images = np.random.default_rng(0).uniform(0, 1, (4, 8, 8, 1))
+  labels = [2, 2, 5, 5]
+  sample.save_samples(tmp_path / "s.npz", images, labels)
+  with np.load(tmp_path / "s.npz") as f:
+    assert f["images"].dtype == np.float32 and f["labels"].dtype == np.int32
+    assert np.allclose(f["images"], images) and (f["labels"] == labels).all()
+  assert sample.save_samples(tmp_path / "s.npy", images, labels) == [tmp_path / "s.npy", tmp_path / "s.labels.npy"]
+  assert np.allclose(np.load(tmp_path / "s.npy"), images) and (np.load(tmp_path / "s.labels.npy") == labels).all()
+
+
+def test_class_labels_fix_each_images_noise():
+  labels, index = sample.class_labels([4, 0], 3)
+  assert labels.tolist() == [4, 4, 4, 0, 0, 0] and index.tolist() == [0, 1, 2, 0, 1, 2]
+  assert sample.parse_classes("3, 1,3", 10) == [3, 1]
+  for text, message in (("1,x", "must be comma-separated class numbers"), (",", "names no class"),
+                        ("0,10,-1", r"10, -1 outside the model's labels 0..9 \(model.num_classes=10\)")):
+    with pytest.raises(UserError, match=message):
+      sample.parse_classes(text, 10)
+
+
+# --- the command line ----------------------------------------------------------------------------------------
+
+
+def fake_run(workdir, step=5, task="dit", num_classes=10):
+  """A workdir whose checkpoint at `step` has every marker file and a meta item of `task`: enough for everything
+  the command checks before it restores (no JAX, no Orbax)."""
+  step_dir = workdir / "checkpoints" / str(step)
+  for name in checkpoint.REQUIRED:
+    (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
+    (step_dir / name).write_text("")
+  config = {"task": task, "model": {"num_classes": num_classes, "image_size": 8, "channels": 1},
+            "sample": {"steps": 16, "guidance": 2.0, "per_class": 4, "seed": 3}, "data": {"name": "digits"}}
+  meta = {"config": config} if task is None else {"config": config, "task": task}
+  if task is None:
+    del config["task"]
+  (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+  return workdir
+
+
+def error_of(argv, capsys):
+  assert sample.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1, err
+  return err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--guidance", "-0.5"], r"--guidance -0.5 must be a finite number >= 0"),
+    (["--guidance", "nan"], r"--guidance nan must be a finite number >= 0"),
+    (["--per-class", "0"], r"--per-class 0 must be at least 1"),
+    (["--steps", "0"], r"--steps 0 must be at least 1"),
+    (["--seed", "-1"], r"--seed -1 must be in 0 \.\. 4294967295"),
+    (["--classes", "0,12"], r"--classes '0,12': 12 outside the model's labels 0\.\.9"),
+    (["--npy", "x.txt"], r"--npy x\.txt: name it FILE\.npz"),
+    (["--step", "7"], r"--step 7: .* has checkpoints at steps 5"),
+    (["--config.model.num_classes=3"], r"--config\.model\.num_classes cannot be set for sampling"),
+    (["--bogus"], r"--bogus"),
+])
+def test_bad_arguments(tmp_path, capsys, extra, message):
+  run = fake_run(tmp_path / "run")
+  err = error_of(["--workdir", str(run), "--out", str(tmp_path / "g.png"), *extra], capsys)
+  assert re.search(message, err), err
+
+
+def test_bad_out_and_workdir(tmp_path, capsys):
+  run = fake_run(tmp_path / "run")
+  assert "--out g.jpg: the grid is written as a PNG" in error_of(["--workdir", str(run), "--out", "g.jpg"], capsys)
+  (tmp_path / "d.png").mkdir()
+  assert "is a directory" in error_of(["--workdir", str(run), "--out", str(tmp_path / "d.png")], capsys)
+  assert "no such directory" in error_of(["--workdir", str(tmp_path / "nope"), "--out", "g.png"], capsys)
+  (tmp_path / "empty").mkdir()
+  assert "no complete checkpoint" in error_of(["--workdir", str(tmp_path / "empty"), "--out", "g.png"], capsys)
+  assert "required: --out" in error_of(["--workdir", str(run)], capsys)
+
+
+@pytest.mark.parametrize("task", ["lm", None])  # None: a checkpoint from before tasks existed (a language model)
+def test_language_model_workdir(tmp_path, capsys, task):
+  run = fake_run(tmp_path / "lm", task=task)
+  err = error_of(["--workdir", str(run), "--out", str(tmp_path / "g.png")], capsys)
+  assert f"{run} was trained with task=lm; sample needs a DiT run (task=dit); use python -m meshtrain.generate" in err
+
+
+def test_defaults_come_from_the_run(tmp_path):
+  run = fake_run(tmp_path / "run", num_classes=4)
+  args, cfg, workdir, step = sample.parse_args(["--workdir", str(run), "--out", "g.png", "--config.mesh.data=2",
+                                                "--config.cpu_devices=2"])
+  assert (args.classes, args.per_class, args.steps, args.guidance, args.seed) == ([0, 1, 2, 3], 4, 16, 2.0, 3)
+  assert (step, workdir, cfg.task, cfg.cpu_devices, cfg.mesh.data, cfg.data.name) == (5, run, "dit", 2, 2, "digits")
+  args, *_ = sample.parse_args(["--workdir", str(run), "--out", "g.png", "--classes", "2", "--guidance", "0",
+                                "--per-class", "9", "--steps", "3", "--seed", "11"])
+  assert (args.classes, args.per_class, args.steps, args.guidance, args.seed) == ([2], 9, 3, 0.0, 11)
+
+
+def test_module_entry_point(tmp_path):
+  """`python -m meshtrain.sample` exits 2 with one line, before JAX starts."""
+  proc = subprocess.run([sys.executable, "-m", "meshtrain.sample", "--workdir", str(tmp_path), "--out", "g.png",
+                         "--guidance", "-1"], capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--guidance -1.0 must be" in proc.stderr
