@@ -35,6 +35,12 @@ def digits_dir(tmp_path_factory):
   return data_dir
 
 
+@pytest.fixture(scope="module")
+def train_src(digits_dir):
+  """The digits train source of image_cfg (each source decodes its split once: ~1 s, so tests share it)."""
+  return make_source(image_cfg(digits_dir), "train", shuffle=True)
+
+
 # --- the digits dataset ------------------------------------------------------------------------------------------
 
 
@@ -67,9 +73,8 @@ def test_digits_build_refuses_unwritable_dir(tmp_path):
 # --- image sources -----------------------------------------------------------------------------------------------
 
 
-def test_digits_rows(digits_dir):
-  cfg = image_cfg(digits_dir)
-  src = make_source(cfg, "train", shuffle=True)  # pipeline.make_source dispatches on task=dit
+def test_digits_rows(train_src):
+  src = train_src  # made by pipeline.make_source, which dispatches on task=dit
   assert isinstance(src, images.TfdsImageSource) and src.num_examples == 1433
   batch = src.rows(3, 16)
   assert batch["images"].shape == (16, 8, 8, 1) and batch["images"].dtype == np.float32
@@ -86,21 +91,26 @@ def test_digits_rows(digits_dir):
   assert len(set(batch["seeds"].tolist())) == 16
 
 
-def test_batch_is_a_function_of_seed_and_step(digits_dir):
-  cfg = image_cfg(digits_dir)
-  a, b = make_source(cfg, "train", shuffle=True), make_source(cfg, "train", shuffle=True)
-  first = a.rows(7, 12)
-  again = b.rows(7, 12)
-  assert all((first[k] == again[k]).all() for k in first)
-  part = b.rows(7, 12, 4, 9)  # any process can load any rows of it
-  assert all((part[k] == first[k][4:9]).all() for k in first)
-  assert not (a.rows(8, 12)["seeds"] == first["seeds"]).any()
+def test_reads_without_the_decoded_cache_agree(digits_dir, train_src, monkeypatch):
+  cached = train_src
+  monkeypatch.setattr(images, "DECODED_CACHE_BYTES", 8 * 8 - 1)  # too small for one image: every read decodes
+  uncached = make_source(image_cfg(digits_dir), "train", shuffle=True)
+  assert cached._decoded is not None and uncached._decoded is None
+  a, b = cached.rows(4, 32), uncached.rows(4, 32)
+  assert all((a[k] == b[k]).all() for k in a)  # a fresh source, read another way: batch = f(seed, step)
+  part = uncached.rows(4, 32, 9, 20)  # any process can load any rows of it
+  assert all((part[k] == a[k][9:20]).all() for k in a)
+
+
+def test_another_seed_another_order(digits_dir, train_src):
+  first = train_src.rows(7, 12)
+  assert not (train_src.rows(8, 12)["seeds"] == first["seeds"]).any()
   other = make_source(image_cfg(digits_dir, seed=1), "train", shuffle=True).rows(7, 12)
   assert not (other["labels"] == first["labels"]).all() and not (other["seeds"] == first["seeds"]).any()
 
 
-def test_epochs_are_permutations(digits_dir):
-  src = make_source(image_cfg(digits_dir), "train", shuffle=True)
+def test_epochs_are_permutations(train_src):
+  src = train_src
   n = src.num_examples
   epoch0 = [src.record_index(i) for i in range(n)]
   epoch1 = [src.record_index(n + i) for i in range(n)]
@@ -178,12 +188,12 @@ def test_missing_split_names_the_splits(digits_dir):
 # --- global batches with per-key shardings -----------------------------------------------------------------------
 
 
-def test_global_batch_per_key_shardings(digits_dir):
+def test_global_batch_per_key_shardings(train_src):
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 4})
   rows = P(("data", "fsdp"))
   shardings = {"images": NamedSharding(mesh, P(("data", "fsdp"), None, None, None)),
                "labels": NamedSharding(mesh, rows), "seeds": NamedSharding(mesh, rows)}
-  src = make_source(image_cfg(digits_dir), "train", shuffle=True)
+  src = train_src
   assert process_rows(shardings, 16) == (0, 16)
   batch = global_batch(src, 5, 16, shardings)
   want = src.rows(5, 16)
@@ -200,11 +210,11 @@ def test_global_batch_per_key_shardings(digits_dir):
     global_batch(src, 5, 16, {"images": shardings["images"]})
 
 
-def test_one_sharding_still_means_every_key(digits_dir):
+def test_one_sharding_still_means_every_key(train_src):
   """The LM's form: one NamedSharding for all keys; a 1-D batch-axis spec also fits 4-D images."""
   mesh = mesh_lib.make_mesh({"data": 8})
   sharding = NamedSharding(mesh, P("data"))
-  src = make_source(image_cfg(digits_dir), "train", shuffle=True)
+  src = train_src
   batch = global_batch(src, 0, 8, sharding)
   assert batch["images"].shape == (8, 8, 8, 1) and batch["labels"].shape == (8,)
   assert (np.asarray(batch["seeds"]) == src.rows(0, 8)["seeds"]).all()

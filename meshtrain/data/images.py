@@ -23,6 +23,11 @@ from meshtrain.data import digits, pipeline
 from meshtrain.errors import UserError
 
 SYNTHETIC = pipeline.SYNTHETIC
+# A split whose pixels take at most this many bytes is decoded once, when its source is made, and then served from
+# memory: decoding a stored PNG costs 0.2-1 ms per image (a 128-image digits batch took 85 ms on the 2-core
+# machine, longer than a small DiT step), a lookup microseconds. digits (92 KB), MNIST (47 MB) and CIFAR-10
+# (154 MB: no) show the scale; larger splits are decoded per read, on the input pipeline's threads.
+DECODED_CACHE_BYTES = 64 << 20
 
 
 def row_seeds(seed: int, split: str, first: int, count: int) -> np.ndarray:
@@ -93,6 +98,10 @@ class TfdsImageSource(ImageSource):
     if self.num_examples == 0:
       raise UserError(f"data split {split!r} of dataset {name!r} holds no images; set data.train_split / "
                       "data.eval_split to a non-empty split or slice")
+    self._decoded = None  # (images uint8[N, H, W, C], labels int64[N]) when the split is small enough to keep
+    if self.num_examples * int(np.prod(self.image_shape)) <= DECODED_CACHE_BYTES:
+      decoded = [self._read(i) for i in range(self.num_examples)]
+      self._decoded = (np.stack([image for image, _ in decoded]), np.array([label for _, label in decoded]))
     # The order is seeded like the text sources' (pipeline.TfdsSource), so the two families share one convention.
     self._order_seed = pipeline._derive_seed("order", seed, name, split)  # pylint: disable=protected-access
     self._large_order = None
@@ -111,12 +120,19 @@ class TfdsImageSource(ImageSource):
     return int(pipeline._permutation(self._order_seed, example_index // n, n)[example_index % n])  # pylint: disable=protected-access
 
   def example(self, example_index: int) -> tuple[np.ndarray, int]:
-    record = self._records[self.record_index(example_index)]
-    image, label = np.asarray(record[self.image_key]), int(record[self.label_key])
+    record = self.record_index(example_index)
+    if self._decoded is not None:
+      return self._decoded[0][record], int(self._decoded[1][record])
+    return self._read(record)
+
+  def _read(self, record: int) -> tuple[np.ndarray, int]:
+    """(image uint8[H, W, C], label) of record `record` of the split, read and decoded from the dataset's files."""
+    values = self._records[record]
+    image, label = np.asarray(values[self.image_key]), int(values[self.label_key])
     if image.shape != self.image_shape:
       # A dataset whose info declares the shape cannot hold another; this guards datasets written by hand.
-      raise RuntimeError(f"record {self.record_index(example_index)} of {self.name}/{self.split} has an image of "
-                         f"shape {image.shape}, not the {self.image_shape} its features declare")
+      raise RuntimeError(f"record {record} of {self.name}/{self.split} has an image of shape {image.shape}, not the "
+                         f"{self.image_shape} its features declare")
     return image, label
 
 
