@@ -165,7 +165,7 @@ def get_config():
   c.model = presets.dit_model_config("digits")
   c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.mlp_dim = 32, 1, 2, 64
   c.data.name, c.data.train_split, c.data.eval_split = "digits", "train", "test"
-  c.steps, c.batch_size, c.log_every = 2, 8, 1
+  c.steps, c.batch_size, c.log_every, c.optimizer.warmup_steps = 2, 8, 1, 1
   c.eval_every, c.eval_batches, c.checkpoint_every = 2, 1, 2
   c.sample.steps, c.sample.per_class, c.sample.guidance = 2, 2, 1.5
   return c
