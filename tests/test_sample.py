@@ -195,10 +195,10 @@ def test_hook_writes_grid_and_quality(dit_run):
 def test_cli_reproduces_the_runs_grid_on_another_mesh(dit_run, tmp_path, capsys):
   argv = ["--workdir", str(dit_run), "--config.cpu_devices=8", "--config.mesh.data=2", "--config.mesh.fsdp=2",
           "--config.mesh.tensor=2"]
-  assert sample.main([*argv, "--out", str(tmp_path / "all.png")]) == 0
+  assert sample.main([*argv, "--out", str(tmp_path / "all.png"), "--npy", str(tmp_path / "all.npz")]) == 0
   line = capsys.readouterr().out
   assert re.fullmatch(r"step 2: 20 samples \(2 of each of classes 0,1,2,3,4,5,6,7,8,9; 2 steps, guidance 1.5, "
-                      r"seed 0\) -> \S+all.png; sample accuracy [01]\.\d{3}, Frechet distance \d+\.\d\d "
+                      r"seed 0\) -> \S+all.png, \S+all.npz; sample accuracy [01]\.\d{3}, Frechet distance \d+\.\d\d "
                       r"\(digits judge\)\n", line), line
   # The run's settings and noise on a data x fsdp x tensor mesh: the picture the hook drew on data=8.
   ours = np.asarray(Image.open(tmp_path / "all.png")).astype(int)
@@ -212,11 +212,10 @@ def test_cli_reproduces_the_runs_grid_on_another_mesh(dit_run, tmp_path, capsys)
     images, labels = f["images"], f["labels"]
   assert images.shape == (6, 8, 8, 1) and labels.tolist() == [7, 7, 7, 3, 3, 3]
   assert 0 <= images.min() and images.max() <= 1
-  assert sample.main([*argv, "--classes", "3,7", "--per-class", "2", "--out", str(tmp_path / "b.png"),
-                      "--npy", str(tmp_path / "b.npz")]) == 0
-  with np.load(tmp_path / "b.npz") as f:
-    np.testing.assert_allclose(f["images"][:2], images[3:5], atol=1e-5)   # class 3, k = 0, 1
-    np.testing.assert_allclose(f["images"][2:], images[0:2], atol=1e-5)   # class 7, k = 0, 1
+  with np.load(tmp_path / "all.npz") as f:
+    assert f["labels"].tolist() == [c for c in range(10) for _ in range(2)]
+    np.testing.assert_allclose(f["images"][6:8], images[3:5], atol=1e-5)    # class 3, k = 0, 1
+    np.testing.assert_allclose(f["images"][14:16], images[0:2], atol=1e-5)  # class 7, k = 0, 1
   capsys.readouterr()
   err = error_of(["--workdir", str(dit_run), "--out", str(tmp_path / "x.png"), "--classes", "10"], capsys)
   assert "--classes '10': 10 outside the model's labels 0..9" in err
