@@ -1,5 +1,11 @@
 """Image data: the locally built digits TFDS dataset, image sources (batch = f(seed, step), epoch permutations,
 per-row seeds), any TFDS image dataset through mocks, feature/model checks, and per-key batch shardings."""
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
 import jax
 import ml_collections
 import numpy as np
@@ -219,3 +225,47 @@ def test_one_sharding_still_means_every_key(train_src):
   assert batch["images"].shape == (8, 8, 8, 1) and batch["labels"].shape == (8,)
   assert (np.asarray(batch["seeds"]) == src.rows(0, 8)["seeds"]).all()
   assert jax.tree.all(jax.tree.map(lambda a: a.sharding == sharding, batch))
+
+
+_TWO_PROCESS_SCRIPT = """
+import sys
+import jax
+import ml_collections
+import numpy as np
+jax.config.update("jax_num_cpu_devices", 4)
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+from meshtrain.config import base_config
+from meshtrain.data import Batches, global_batch, make_source, process_rows
+cfg = base_config()
+cfg.task, cfg.data.name, cfg.data.data_dir = "dit", "digits", sys.argv[3]
+cfg.data.image_key, cfg.data.label_key = "image", "label"
+cfg.model = ml_collections.ConfigDict(dict(image_size=8, channels=1, num_classes=10))
+src = make_source(cfg, "train", shuffle=True)
+mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+rows = ("data", "fsdp")
+shardings = {"images": NamedSharding(mesh, P(rows, None, None, None)), "labels": NamedSharding(mesh, P(rows)),
+             "seeds": NamedSharding(mesh, P(rows))}
+print("rows", process_rows(shardings, 16), flush=True)
+with Batches(src, 11, 16, shardings) as batches:
+  for batch in (global_batch(src, 11, 16, shardings), next(batches)[1]):
+    for key, want in src.rows(11, 16).items():
+      assert (np.asarray(multihost_utils.process_allgather(batch[key], tiled=True)) == want).all(), key
+print("same batch", flush=True)
+"""
+
+
+def test_two_processes_assemble_the_same_image_batch(digits_dir, tmp_path):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+  script = tmp_path / "two_processes.py"
+  script.write_text(_TWO_PROCESS_SCRIPT)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+  procs = [subprocess.Popen([sys.executable, str(script), address, str(i), str(digits_dir)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0 and "same batch" in out, out
+  assert "rows (0, 8)" in outs[0] and "rows (8, 16)" in outs[1]
