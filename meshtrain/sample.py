@@ -184,6 +184,7 @@ class SampleHook(hooks.Periodic):
     super().__init__(cfg.eval_every)
     self._sampler = None
     self._judge = None
+    self._warned = False
 
   def run_at(self, step: int, run) -> None:
     import jax  # pylint: disable=g-import-not-at-top
@@ -196,16 +197,21 @@ class SampleHook(hooks.Periodic):
     if jax.process_index() != 0:
       return
     path = pathlib.Path(run.workdir) / SAMPLES_DIR / f"step_{step}.png"
-    grid = save_grid(path, images, labels)
-    run.writer.image("samples", grid, step)
+    try:
+      grid = save_grid(path, images, labels)
+      run.writer.image("samples", grid, step)
+    except ImportError as e:  # e.g. the GPU machines carry no pillow: the run goes on without pictures
+      if not self._warned:
+        run.writer.print(f"step {step}: no sample grid ({e}); pip install pillow to get one")
+      self._warned, path = True, None
     if self._judge is None:
       self._judge = judge_for(cfg.data.name, images.shape[1:]) or False
     if self._judge:
       scores = self._judge.score(images, labels)
       run.writer.write({"step": step, **scores})
       run.writer.print(f"step {step}: sample accuracy {scores['sample_accuracy']:.3f}, Frechet distance "
-                       f"{scores['sample_frechet']:.2f} ({path})")
-    else:
+                       f"{scores['sample_frechet']:.2f}" + (f" ({path})" if path else ""))
+    elif path:
       run.writer.print(f"step {step}: samples in {path}")
 
 

@@ -72,6 +72,75 @@ def test_class_labels_fix_each_images_noise():
       sample.parse_classes(text, 10)
 
 
+# --- the training hook, on a stand-in sampler --------------------------------------------------------------------
+
+
+class FakeWriter:
+  def __init__(self):
+    self.records, self.images, self.lines = [], [], []
+
+  def write(self, record):
+    self.records.append(record)
+
+  def image(self, tag, image_HWC, step):
+    self.images.append((tag, image_HWC, step))
+
+  def print(self, text):
+    self.lines.append(text)
+
+
+def hook_run(tmp_path, monkeypatch, data_name="digits"):
+  """A SampleHook and a stand-in for the loop's Run, its sampler replaced by real test digits of the asked classes."""
+  import types  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from meshtrain.data import digits  # pylint: disable=g-import-not-at-top
+  test_images, test_labels = digits.load_split("test")
+
+  class Digits:  # the first images of each class, as a perfect sampler would draw them
+    def __init__(self, layout, steps, guidance):
+      assert (layout, steps, guidance) == ("layout", 3, 1.5)
+
+    def __call__(self, params, labels, index, seed):
+      assert params == "params" and seed == 4
+      return np.stack([test_images[np.flatnonzero(test_labels == c)[k]] / 255 for c, k in zip(labels, index)])
+
+  monkeypatch.setattr(sample, "Sampler", Digits)
+  cfg = ml_collections.ConfigDict(dict(eval_every=10, data=dict(name=data_name), model=dict(num_classes=10),
+                                       sample=dict(steps=3, guidance=1.5, per_class=5, seed=4)))
+  run = types.SimpleNamespace(cfg=cfg, workdir=tmp_path, layout="layout", params="params", writer=FakeWriter(),
+                              beat=lambda step, what: None)
+  return sample.SampleHook(cfg), run
+
+
+def test_sample_hook(tmp_path, monkeypatch):
+  hook, run = hook_run(tmp_path, monkeypatch)
+  assert hook.every == 10
+  hook.run_at(10, run)
+  grid = np.asarray(Image.open(tmp_path / "samples" / "step_10.png"))
+  assert grid.shape == (2 + 10 * 50, 2 + 6 * 50)
+  [(tag, image, step)] = run.writer.images
+  assert (tag, step) == ("samples", 10) and (image[..., 0] == grid).all()
+  [record] = run.writer.records
+  assert record["step"] == 10 and record["sample_accuracy"] >= 0.9 and record["sample_frechet"] < 10
+  assert run.writer.lines == [f"step 10: sample accuracy {record['sample_accuracy']:.3f}, Frechet distance "
+                              f"{record['sample_frechet']:.2f} ({tmp_path / 'samples' / 'step_10.png'})"]
+
+
+def test_sample_hook_without_pillow_or_judge(tmp_path, monkeypatch):
+  hook, run = hook_run(tmp_path, monkeypatch)
+  monkeypatch.setitem(sys.modules, "PIL", None)  # as on a machine without pillow: `import PIL...` fails
+  hook.run_at(10, run)
+  hook.run_at(20, run)
+  assert not (tmp_path / "samples").exists() and not run.writer.images
+  assert [r["step"] for r in run.writer.records] == [10, 20]  # the scores still come
+  assert "no sample grid" in run.writer.lines[0] and "pip install pillow" in run.writer.lines[0]
+  assert sum("no sample grid" in line for line in run.writer.lines) == 1  # said once
+  monkeypatch.delitem(sys.modules, "PIL")
+  hook, run = hook_run(tmp_path, monkeypatch, data_name="mnist")  # no judge for other datasets
+  hook.run_at(30, run)
+  assert not run.writer.records and run.writer.lines == [f"step 30: samples in {tmp_path / 'samples' / 'step_30.png'}"]
+
+
 # --- the command line ----------------------------------------------------------------------------------------
 
 
