@@ -128,14 +128,14 @@ def test_sample_hook(tmp_path, monkeypatch):
 
 def test_sample_hook_without_pillow_or_judge(tmp_path, monkeypatch):
   hook, run = hook_run(tmp_path, monkeypatch)
-  monkeypatch.setitem(sys.modules, "PIL", None)  # as on a machine without pillow: `import PIL...` fails
-  hook.run_at(10, run)
-  hook.run_at(20, run)
+  with monkeypatch.context() as without:
+    without.setitem(sys.modules, "PIL", None)  # as on a machine without pillow: `import PIL...` fails
+    hook.run_at(10, run)
+    hook.run_at(20, run)
   assert not (tmp_path / "samples").exists() and not run.writer.images
   assert [r["step"] for r in run.writer.records] == [10, 20]  # the scores still come
   assert "no sample grid" in run.writer.lines[0] and "pip install pillow" in run.writer.lines[0]
   assert sum("no sample grid" in line for line in run.writer.lines) == 1  # said once
-  monkeypatch.delitem(sys.modules, "PIL")
   hook, run = hook_run(tmp_path, monkeypatch, data_name="mnist")  # no judge for other datasets
   hook.run_at(30, run)
   assert not run.writer.records and run.writer.lines == [f"step 30: samples in {tmp_path / 'samples' / 'step_30.png'}"]
