@@ -77,7 +77,8 @@ def grid_image(images01_NHWC, labels_N) -> np.ndarray:
   white = 255 if channels == 1 else (255, 255, 255)
   for r, c in enumerate(classes):
     top = GRID_GAP_PX + r * (cell_h + GRID_GAP_PX)
-    draw.rectangle((GRID_GAP_PX, top, GRID_GAP_PX + cell_w - 1, top + cell_h - 1), fill=0 if channels == 1 else (0, 0, 0))
+    black = 0 if channels == 1 else (0, 0, 0)
+    draw.rectangle((GRID_GAP_PX, top, GRID_GAP_PX + cell_w - 1, top + cell_h - 1), fill=black)
     draw.text((GRID_GAP_PX + cell_w // 2, top + cell_h // 2), str(c), fill=white, font=font, anchor="mm")
   out = np.asarray(picture, np.uint8)
   return out[..., None] if out.ndim == 2 else out
@@ -231,8 +232,8 @@ def parse_classes(text: str, num_classes: int) -> list[int]:
                     f"{num_classes})")
   outside = [c for c in classes if not 0 <= c < num_classes]
   if outside:
-    raise UserError(f"--classes {text!r}: {', '.join(map(str, outside))} outside the model's labels 0..{num_classes - 1} "
-                    f"(model.num_classes={num_classes})")
+    raise UserError(f"--classes {text!r}: {', '.join(map(str, outside))} outside the model's labels "
+                    f"0..{num_classes - 1} (model.num_classes={num_classes})")
   return list(dict.fromkeys(classes))  # each class once, in the order given
 
 
@@ -243,7 +244,8 @@ def parse_args(argv: list[str]):
   parser.add_argument("--workdir", required=True, help="a DiT training run's directory")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
   parser.add_argument("--classes", default=None, help="comma-separated classes, one grid row each (default: all)")
-  parser.add_argument("--per-class", type=int, default=None, help="images per class (default: the run's sample.per_class)")
+  parser.add_argument("--per-class", type=int, default=None,
+                      help="images per class (default: the run's sample.per_class)")
   parser.add_argument("--steps", type=int, default=None, help="Euler steps (default: the run's sample.steps)")
   parser.add_argument("--guidance", type=float, default=None,
                       help="classifier-free guidance scale >= 0; 0 unconditional, 1 conditional (default: the run's)")

@@ -275,8 +275,8 @@ def test_cli_reproduces_the_runs_grid_on_another_mesh(dit_run, tmp_path, capsys)
   assert ours.shape == hooks.shape and np.abs(ours - hooks).max() <= 1
   # Fewer classes, more images, on a third mesh: image k of class c is the same image.
   assert sample.main(["--workdir", str(dit_run), "--config.cpu_devices=8", "--config.mesh.data=1",
-                      "--config.mesh.fsdp=8", "--classes", "7,3", "--per-class", "3", "--out", str(tmp_path / "two.png"),
-                      "--npy", str(tmp_path / "two.npz")]) == 0
+                      "--config.mesh.fsdp=8", "--classes", "7,3", "--per-class", "3",
+                      "--out", str(tmp_path / "two.png"), "--npy", str(tmp_path / "two.npz")]) == 0
   with np.load(tmp_path / "two.npz") as f:
     images, labels = f["images"], f["labels"]
   assert images.shape == (6, 8, 8, 1) and labels.tolist() == [7, 7, 7, 3, 3, 3]

@@ -32,8 +32,8 @@ DECODED_CACHE_BYTES = 64 << 20
 
 def row_seeds(seed: int, split: str, first: int, count: int) -> np.ndarray:
   """uint32[count]: the seeds of global examples first .. first + count - 1 of `split` (see the module doc)."""
-  return np.array([pipeline._derive_seed(seed, split, "noise", first + r) for r in range(count)],  # pylint: disable=protected-access
-                  np.uint32)
+  derive = pipeline._derive_seed  # pylint: disable=protected-access
+  return np.array([derive(seed, split, "noise", first + r) for r in range(count)], np.uint32)
 
 
 def to_unit_range(images_uint8: np.ndarray) -> np.ndarray:
@@ -117,7 +117,8 @@ class TfdsImageSource(ImageSource):
       return example_index % n
     if self._large_order is not None:
       return int(self._large_order[example_index])
-    return int(pipeline._permutation(self._order_seed, example_index // n, n)[example_index % n])  # pylint: disable=protected-access
+    permutation = pipeline._permutation(self._order_seed, example_index // n, n)  # pylint: disable=protected-access
+    return int(permutation[example_index % n])
 
   def example(self, example_index: int) -> tuple[np.ndarray, int]:
     record = self.record_index(example_index)
