@@ -269,3 +269,39 @@ def test_two_processes_assemble_the_same_image_batch(digits_dir, tmp_path):
   for p, out in zip(procs, outs):
     assert p.returncode == 0 and "same batch" in out, out
   assert "rows (0, 8)" in outs[0] and "rows (8, 16)" in outs[1]
+
+
+DIT_CONFIG = '''
+from meshtrain.config import base_config
+from meshtrain.models import presets
+
+
+def get_config():
+  c = base_config()
+  c.task = "dit"
+  c.model = presets.dit_model_config("digits")
+  c.data.name, c.data.train_split, c.data.eval_split = "digits", "train", "test"
+  c.steps, c.batch_size, c.optimizer.warmup_steps = 2, 8, 1
+  return c
+'''
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--config.data.image_key=picture"], "error: dataset 'digits' has no feature data.image_key='picture'; its "
+     "features are: image (Image), label (ClassLabel); set --config.data.image_key to one of its image features "
+     "(image)"),
+    (["--config.model.image_size=16", "--config.model.patch_size=4"], "error: dataset 'digits' has 8x8 images with "
+     "1 channel(s), but the model takes model.image_size=16, model.channels=1; set --config.model.image_size=8 "
+     "--config.model.channels=1"),
+    (["--config.model.num_classes=4"], "error: dataset 'digits' has 10 classes (labels 0..9), more than "
+     "model.num_classes=4; set --config.model.num_classes=10"),
+])
+def test_train_refuses_bad_image_data(digits_dir, tmp_path, capsys, flags, message):
+  """Through the train command: exit 2 and one line, before anything is compiled."""
+  pytest.importorskip("meshtrain.tasks.dit")
+  from meshtrain import train  # pylint: disable=g-import-not-at-top
+  (tmp_path / "dit.py").write_text(DIT_CONFIG)
+  assert train.main(["--config", str(tmp_path / "dit.py"), "--workdir", str(tmp_path / "run"),
+                     f"--config.data.data_dir={digits_dir}", *flags]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1] == message and sum(line.startswith("error:") for line in err) == 1, err
