@@ -124,6 +124,17 @@ def test_epochs_are_permutations(train_src):
   assert epoch0 != epoch1 and epoch0 != list(range(n))       # a fresh order each epoch
 
 
+def test_large_splits_permute_without_a_table(tmp_path, monkeypatch):
+  """From SMALL_PERMUTATION records on, grain's index shuffle (O(1) memory) orders each epoch instead."""
+  monkeypatch.setattr(pipeline, "SMALL_PERMUTATION", 16)
+  with tfds.testing.mock_data(num_examples=40):
+    src = make_source(image_cfg(tmp_path, name="mnist", image_size=28), "train", shuffle=True)
+  assert src._large_order is not None
+  epochs = [[src.record_index(e * 40 + i) for i in range(40)] for e in range(2)]
+  assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(40)) and epochs[0] != epochs[1]
+  assert epochs[0] != list(range(40))
+
+
 def test_eval_split_in_order(digits_dir):
   src = make_source(image_cfg(digits_dir), "test", shuffle=False)
   test_images, test_labels = digits.load_split("test")
