@@ -15,6 +15,7 @@ cores are shared with other jobs while this runs, so wall time is inflated; the 
 (one-device XLA uses ~1 core, so CPU ~ wall on an idle machine).
 """
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -24,8 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's meshtrain
+from meshtrain import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
 from meshtrain.data import digits
 from meshtrain.models import dit
 from meshtrain.tasks import dit as dit_task
@@ -61,8 +65,13 @@ def main():
   ap.add_argument("--guidance", default="1,2,3")
   ap.add_argument("--per_class", type=int, default=50)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--devices", type=int, default=1,
+                  help="> 1: train data-parallel over this many simulated CPU devices (the DiT config's layout, "
+                       "rules dp, as the real loop runs it) to measure what the mesh costs on this machine")
   ap.add_argument("--out", default="")
   a = ap.parse_args()
+  if a.devices > 1:
+    jax.config.update("jax_num_cpu_devices", a.devices)  # before any JAX op
 
   clf, clf_test_acc = classifier()
   print(f"classifier test accuracy {clf_test_acc:.3f}", flush=True)
@@ -78,18 +87,28 @@ def main():
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, b1=0.9, b2=a.b2, weight_decay=a.weight_decay))
   params = model.init(jax.random.key(a.seed), jnp.zeros((2, 8, 8, 1)), jnp.zeros((2,)), jnp.zeros((2,), jnp.int32))
-  params = jax.tree.map(lambda x: x, __import__("flax").linen.meta.unbox(params["params"]))
+  params = nn.meta.unbox(params["params"])
   opt_state = tx.init(params)
   count = sum(x.size for x in jax.tree.leaves(params))
 
-  @jax.jit
-  def step(params, opt_state, images, labels, seeds):
+  def train_step(params, opt_state, images, labels, seeds):
     def mean_loss(p):
       return jnp.mean(dit_task.loss_per_image(model.apply, p, images, labels, seeds, cfg.class_dropout, cfg.num_classes,
                                          drop_labels=True))
     loss, grads = jax.value_and_grad(mean_loss)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+  step = jax.jit(train_step)
+  context = contextlib.ExitStack()
+  if a.devices > 1:
+    mesh = mesh_lib.make_mesh({"data": a.devices})
+    rules = sharding.for_mesh(sharding.rules_for("dp"), mesh)
+    rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    params, opt_state = jax.device_put((params, opt_state), whole)
+    step = jax.jit(train_step, in_shardings=(whole, whole, rows, rows, rows), out_shardings=(whole, whole, whole))
+    context.enter_context(jax.set_mesh(mesh))
+    context.enter_context(nn.logical_axis_rules(rules))
 
   @jax.jit(static_argnames="steps")
   def draw(params, labels, noise, steps, guidance):
@@ -132,6 +151,7 @@ def main():
       acc = score(params, 20, 1.0)
       curve.append({"step": i, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "accuracy_s20_g1": acc})
       print(f"  step {i}: accuracy (20 steps, g 1) {acc:.3f}", flush=True)
+  context.close()
   results = {}
   for s in map(int, a.sample_steps.split(",")):
     for g in map(float, a.guidance.split(",")):

@@ -225,13 +225,14 @@ def train_losses(mesh_sizes, preset, devices):
   rules = sharding.for_mesh(sharding.rules_for(preset), mesh)
   task = task_lib.DitTask(cfg, mesh)
   tx = optax.adam(3e-3)
+  # As layout.build does: shardings from the shapes first, outside the mesh context.
+  boxed = jax.eval_shape(task.model.init, jax.random.key(0), *task.init_args(B))["params"]
+  sharding.param_table(boxed, mesh, rules)  # every split divides evenly (raises otherwise)
+  param_sh = sharding.shardings_of(boxed, mesh, rules)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, nn.meta.unbox(boxed)), param_sh,
+                                 transform_non_params=lambda _: NamedSharding(mesh, P()))
+  batch_sh = {k: NamedSharding(mesh, sharding.logical_to_spec(a, rules)) for k, a in task.batch_axes().items()}
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    boxed = jax.eval_shape(task.model.init, jax.random.key(0), *task.init_args(B))["params"]
-    sharding.param_table(boxed, mesh, rules)  # every split divides evenly (raises otherwise)
-    param_sh = sharding.shardings_of(boxed, mesh, rules)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, nn.meta.unbox(boxed)), param_sh,
-                                   transform_non_params=lambda _: NamedSharding(mesh, P()))
-    batch_sh = {k: NamedSharding(mesh, sharding.logical_to_spec(a, rules)) for k, a in task.batch_axes().items()}
     init = jax.jit(lambda k: nn.meta.unbox(task.model.init(k, *task.init_args(B))["params"]), out_shardings=param_sh)
     params = init(jax.random.key(0))
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
