@@ -38,15 +38,23 @@ def task():
 
 @pytest.fixture(scope="module")
 def params(task):
-  return nn.meta.unbox(task.model.init(jax.random.key(0), *task.init_args(2))["params"])
+  return nn.meta.unbox(jax.jit(task.model.init)(jax.random.key(0), *task.init_args(2))["params"])
+
+
+@pytest.fixture(scope="module")
+def apply(task):
+  """The model's forward pass, jitted (eager Flax runs op by op: seconds per call)."""
+  return jax.jit(lambda p, x, t, y: task.model.apply({"params": p}, x, t, y))
 
 
 @pytest.fixture(scope="module")
 def trained_like(params):
   """Every parameter random (the zero-initialised ones too): a model whose output depends on x, t and the class."""
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  return jax.tree.unflatten(tree, [0.2 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+  def scramble(params):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree.unflatten(tree, [0.2 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+  return jax.jit(scramble)(params)
 
 
 def digit_batch(n=B, offset=0, seed_base=1000):
@@ -56,23 +64,23 @@ def digit_batch(n=B, offset=0, seed_base=1000):
           "seeds": np.arange(seed_base, seed_base + n, dtype=np.uint32)}
 
 
-def test_shapes_and_adaln_zero_init(task, params):
+def test_shapes_and_adaln_zero_init(params, apply):
   """The output has the image's shape, and adaLN-Zero makes it exactly zero at init."""
   batch = digit_batch()
-  v = task.model.apply({"params": params}, batch["images"], jnp.full((B,), 0.5), batch["labels"])
+  v = apply(params, batch["images"], jnp.full((B,), 0.5), batch["labels"])
   assert v.shape == (B, 8, 8, 1) and v.dtype == jnp.float32
   assert np.all(np.asarray(v) == 0.0)
 
 
-def test_blocks_start_as_identity(task, params):
+def test_blocks_start_as_identity(params, apply):
   """With the modulation (and so the gates) at zero, a block's attention and MLP weights cannot change the output:
   each block is the identity. Seen through a non-zero final layer, so the output is not trivially zero."""
   batch = digit_batch()
   readout = dict(params, out=jax.random.normal(jax.random.key(2), params["out"].shape))
   other = jax.tree.map(lambda x: x + 1.0, readout["layers"]["attn"]), jax.tree.map(lambda x: x - 1.0, readout["layers"]["mlp"])
   scrambled = dict(readout, layers=dict(readout["layers"], attn=other[0], mlp=other[1]))
-  apply = lambda p: np.asarray(task.model.apply({"params": p}, batch["images"], jnp.full((B,), 0.3), batch["labels"]))
-  before, after = apply(readout), apply(scrambled)
+  run = lambda p: np.asarray(apply(p, batch["images"], jnp.full((B,), 0.3), batch["labels"]))
+  before, after = run(readout), run(scrambled)
   assert np.abs(before).max() > 0.1
   np.testing.assert_array_equal(after, before)
 
@@ -83,8 +91,8 @@ def test_loss_at_init_is_the_noise_to_image_distance(task, params):
   the statistics are numpy's."""
   batch = digit_batch(64)
   loss_sum, aux = jax.jit(task.loss)(params, batch)
-  eps = np.stack([np.asarray(jax.random.normal(jax.random.split(jax.random.key(s), 3)[1], (8, 8, 1)))
-                  for s in batch["seeds"]])
+  eps_of_seed = lambda s: jax.random.normal(jax.random.split(jax.random.key(s), 3)[1], (8, 8, 1))
+  eps = np.asarray(jax.jit(jax.vmap(eps_of_seed))(batch["seeds"]))
   per_image = np.mean((eps.astype(np.float64) - batch["images"]) ** 2, axis=(1, 2, 3))
   np.testing.assert_allclose(float(loss_sum), per_image.sum(), rtol=1e-5)
   assert float(aux["count"]) == 64 and float(aux["loss_sum"]) == float(loss_sum)
@@ -162,7 +170,7 @@ def test_flops_formula_by_hand_and_by_the_programs_matmuls(task, params):
   assert _matmul_flops(jaxpr) == 645_120
 
 
-def test_sampler_is_the_guided_euler_step(task, trained_like):
+def test_sampler_is_the_guided_euler_step(task, trained_like, apply):
   """One Euler step from t = 1 equals noise - (v_null + g (v_cond - v_null)) with both velocities from separate
   forward passes; g = 1 is the conditional model, g = 0 the unconditional one. Fixed noise: bitwise repeatable."""
   model, n = task.model, 4
@@ -170,14 +178,15 @@ def test_sampler_is_the_guided_euler_step(task, trained_like):
   trained_like = dict(trained_like, out=0.1 * trained_like["out"], out_bias=0.1 * trained_like["out_bias"])
   labels = jnp.array([0, 3, 7, 9], jnp.int32)
   noise = 0.3 * jax.random.normal(jax.random.key(5), (n, 8, 8, 1))  # small: one step stays inside the clip range
-  velocity = lambda y: model.apply({"params": trained_like}, noise, jnp.ones((n,)), y)
+  velocity = lambda y: apply(trained_like, noise, jnp.ones((n,)), y)
   v_cond, v_null = velocity(labels), velocity(jnp.full((n,), 10, jnp.int32))
   assert float(jnp.abs(v_cond - v_null).max()) > 1e-2  # the class matters, so the checks below can fail
   sample = jax.jit(task_lib.sample, static_argnums=(0, 4))
+  guided = jax.jit(task_lib.guided_velocity, static_argnums=0)
   for g in (0.0, 1.0, 3.0):
     got = np.asarray(sample(model, trained_like, labels, noise, 1, g))
     v = v_null + g * (v_cond - v_null)
-    np.testing.assert_allclose(task_lib.guided_velocity(model, trained_like, noise, 1.0, labels, g), v,
+    np.testing.assert_allclose(guided(model, trained_like, noise, 1.0, labels, g), v,
                                rtol=1e-5, atol=1e-6)
     expected = np.clip(noise - v, -1, 1)
     assert np.mean(np.abs(expected) < 1) > 0.5
