@@ -211,7 +211,7 @@ def test_task_contract_members(task):
       "images": ((B, 8, 8, 1), jnp.float32), "labels": ((B,), jnp.int32), "seeds": ((B,), jnp.uint32)}
   assert set(task.batch_axes()) == set(spec) and all(a[0] == "act_batch" for a in task.batch_axes().values())
   assert task.kind == "dit" and task.throughput_key == "images_per_sec" and task.units_per_example == 1
-  assert task.eval_extra(None) is None and task.hooks(None) == []
+  assert task.eval_extra(None) is None
   assert set(task.shape_fields) <= set(presets.dit_model_config("digits"))
 
 

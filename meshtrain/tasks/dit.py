@@ -176,10 +176,10 @@ class DitTask:
     return flops_per_image(self.model_cfg)
 
   def hooks(self, run) -> list:
-    """Periodic extra work: the sample grid and quality hook is meshtrain/sample.py's (data helper); the lead wires
-    it here once that and core's hooks land. None yet."""
+    """At eval_every: a sample grid (WORKDIR/samples, TensorBoard) and its quality (meshtrain/sample.py)."""
     del run
-    return []
+    from meshtrain import sample as sample_cli  # pylint: disable=g-import-not-at-top  # it imports this module
+    return [sample_cli.SampleHook(self.cfg)]
 
   def sample(self, params, labels_N, noise_NHWC, steps: int, guidance):
     """`sample` with this task's model."""
