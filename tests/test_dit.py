@@ -77,8 +77,9 @@ def test_blocks_start_as_identity(params, apply):
   each block is the identity. Seen through a non-zero final layer, so the output is not trivially zero."""
   batch = digit_batch()
   readout = dict(params, out=jax.random.normal(jax.random.key(2), params["out"].shape))
-  other = jax.tree.map(lambda x: x + 1.0, readout["layers"]["attn"]), jax.tree.map(lambda x: x - 1.0, readout["layers"]["mlp"])
-  scrambled = dict(readout, layers=dict(readout["layers"], attn=other[0], mlp=other[1]))
+  layers = readout["layers"]
+  attn, mlp = jax.tree.map(lambda x: x + 1.0, layers["attn"]), jax.tree.map(lambda x: x - 1.0, layers["mlp"])
+  scrambled = dict(readout, layers=dict(layers, attn=attn, mlp=mlp))
   run = lambda p: np.asarray(apply(p, batch["images"], jnp.full((B,), 0.3), batch["labels"]))
   before, after = run(readout), run(scrambled)
   assert np.abs(before).max() > 0.1
@@ -103,7 +104,8 @@ def test_loss_at_init_is_the_noise_to_image_distance(task, params):
   # Eval sums the same quantity (labels do not matter at init).
   sums = jax.jit(task.eval_sums)(params, batch, None)
   np.testing.assert_allclose(float(sums["loss_sum"]), per_image.sum(), rtol=1e-5)
-  assert task.eval_record({k: float(v) for k, v in sums.items()})["eval_loss"] == pytest.approx(per_image.mean(), rel=1e-5)
+  record = task.eval_record({k: float(v) for k, v in sums.items()})
+  assert record["eval_loss"] == pytest.approx(per_image.mean(), rel=1e-5)
 
 
 def test_a_rows_loss_depends_only_on_its_own_row(task, trained_like):

@@ -1,8 +1,8 @@
 """Diffusion transformer (DiT, Peebles & Xie 2023) for class-conditional images.
 
 Shape letters: B batch (images), H, W, C image height, width, channels, P patch side, T tokens (patches,
-(H/P) x (W/P)), D model width, A attention heads, E head width, F MLP width, M modulation vectors (6 per
-block, 2 in the final layer), Q timestep frequencies, N layers (in stacked parameters) or samples (sampling).
+(H/P) x (W/P)), X pixels per patch (P*P*C), D model width, A attention heads, E head width, F MLP width,
+M modulation vectors (6 per block, 2 in the final layer), Q timestep frequencies, Y class ids (num_classes + 1).
 Like llama.py, every parameter names its logical axes and the rules in meshtrain/sharding.py decide how they
 map onto the mesh: q/k/v [embed, heads, head_dim], out [heads, head_dim, embed], MLP [embed, mlp] / [mlp, embed],
 so dp, fsdp, tp and fsdp_tp split DiT exactly as they split the language model.
@@ -136,7 +136,7 @@ class Modulation(nn.Module):
     # so they stay whole.
     w_DMD = zeros_param(self, "w", (cfg.d_model, self.count, cfg.d_model), ("embed", None, None), cfg.param_dtype)
     b_MD = zeros_param(self, "b", (self.count, cfg.d_model), (None, None), cfg.param_dtype)
-    m_BMD = jnp.einsum("BD,DMX->BMX", nn.silu(c_BD), w_DMD.astype(cfg.dtype)) + b_MD.astype(cfg.dtype)
+    m_BMD = jnp.einsum("bi,imo->bmo", nn.silu(c_BD), w_DMD.astype(cfg.dtype)) + b_MD.astype(cfg.dtype)
     return nn.with_logical_constraint(m_BMD, ("act_batch", None, "act_embed"))
 
 
@@ -186,8 +186,9 @@ class Block(nn.Module):
     residual = lambda x: nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"))
     m_BMD = Modulation(self.cfg, MOD_BLOCK, name="modulation")(c_BD)
     shift1, scale1, gate1, shift2, scale2, gate2 = (m_BMD[:, i] for i in range(MOD_BLOCK))
-    x_BTD = residual(x_BTD + gate1[:, None] * Attention(self.cfg, name="attn")(modulate(layer_norm(x_BTD), shift1, scale1)))
-    x_BTD = residual(x_BTD + gate2[:, None] * MLP(self.cfg, name="mlp")(modulate(layer_norm(x_BTD), shift2, scale2)))
+    attn, mlp = Attention(self.cfg, name="attn"), MLP(self.cfg, name="mlp")
+    x_BTD = residual(x_BTD + gate1[:, None] * attn(modulate(layer_norm(x_BTD), shift1, scale1)))
+    x_BTD = residual(x_BTD + gate2[:, None] * mlp(modulate(layer_norm(x_BTD), shift2, scale2)))
     return x_BTD, None
 
 
