@@ -45,6 +45,18 @@ def classifier():
   return clf, test_acc
 
 
+def use_uniform_t():
+  """Swaps the task's per-row draw for one with t ~ U(0, 1) (everything else as meshtrain draws it): the comparison
+  behind meshtrain's logit-normal choice. The experiment's own switch; meshtrain itself has one distribution."""
+  logit_normal = dit_task.noise_and_time
+
+  def uniform(seed, image_HWC, label, class_dropout, num_classes, drop_labels):
+    _, eps_HWC, label = logit_normal(seed, image_HWC, label, class_dropout, num_classes, drop_labels)
+    k_t = jax.random.split(jax.random.key(seed), 3)[0]
+    return jax.random.uniform(k_t, (), jnp.float32), eps_HWC, label
+  dit_task.noise_and_time = uniform
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--d_model", type=int, default=128)
@@ -65,6 +77,8 @@ def main():
   ap.add_argument("--guidance", default="1,2,3")
   ap.add_argument("--per_class", type=int, default=50)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--t_dist", default="logit_normal", choices=("logit_normal", "uniform"),
+                  help="the timestep distribution: meshtrain's (logit-normal) or, for comparison, uniform on [0, 1]")
   ap.add_argument("--devices", type=int, default=1,
                   help="> 1: train data-parallel over this many simulated CPU devices (the DiT config's layout, "
                        "rules dp, as the real loop runs it) to measure what the mesh costs on this machine")
@@ -73,6 +87,8 @@ def main():
   if a.devices > 1:
     jax.config.update("jax_num_cpu_devices", a.devices)  # before any JAX op
 
+  if a.t_dist == "uniform":
+    use_uniform_t()
   clf, clf_test_acc = classifier()
   print(f"classifier test accuracy {clf_test_acc:.3f}", flush=True)
 

@@ -215,8 +215,10 @@ class DiT(nn.Module):
     b_t1 = zeros_param(self, "time_in_bias", (D,), ("embed",), c.param_dtype)
     w_t2 = param(self, "time_out", (D, D), (None, "embed"), c.init_std, c.param_dtype)
     b_t2 = zeros_param(self, "time_out_bias", (D,), ("embed",), c.param_dtype)
-    # Class rows stay whole along the class axis: 11 rows split over `tensor` would not divide evenly.
-    table_YD = param(self, "class_embedding", (c.num_classes + 1, D), (None, "embed"), c.init_std, c.param_dtype)
+    # Replicated (a few KB): 11 rows split over `tensor` would not divide evenly, and with its width split over
+    # `fsdp` XLA's SPMD partitioner cannot reshard the looked-up rows to the batch split ("involuntary full
+    # rematerialization" under fsdp_tp: the whole [B, D] gathered on every device, forward and backward).
+    table_YD = param(self, "class_embedding", (c.num_classes + 1, D), (None, None), c.init_std, c.param_dtype)
     h_BD = nn.silu(timestep_features(t_B).astype(c.dtype) @ w_t1.astype(c.dtype) + b_t1.astype(c.dtype))
     c_BD = h_BD @ w_t2.astype(c.dtype) + b_t2.astype(c.dtype) + jnp.take(table_YD, y_B, axis=0).astype(c.dtype)
     c_BD = nn.with_logical_constraint(c_BD, ("act_batch", "act_embed"))
