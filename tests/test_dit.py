@@ -218,8 +218,9 @@ def test_task_contract_members(task):
 
 
 # Layouts against one device: the same 3 Adam steps' losses (as tests/test_numerics.py does for the language
-# model). TODO(lead): once core's task-generic layout lands, build these with meshtrain.layout.build(cfg, mesh)
-# and its compiled train step instead of the small harness below.
+# model). TODO(lead): once core's task-generic layout is merged, build these with meshtrain.layout.build(cfg, mesh)
+# and its compiled train step instead of the small harness below (the replacement, verified against branch core:
+# /work/notes/issue15_dit_layout_test.md).
 STEPS = 3
 LAYOUTS = {
     "data=8": ({"data": 8}, "dp"),
