@@ -11,8 +11,9 @@ matters when samples are drawn on a CPU during training; and it is one MSE, with
 tables or variance to learn.
 The timestep is logit-normal, t = sigmoid(n), n ~ N(0, 1): SD3's best-scoring schedule. It spends the training
 mid-path, where the velocity is hardest to predict, and little near the ends, where it is easy: at t = 0, x_t is
-the image and the best guess of v is -x_t; at t = 1, x_t is the noise and the best guess is x_t - the mean image. Measured on digits (experiments/dit_tune.py, 800 steps, one seed each):
-samples at guidance 1 are labelled as their class 95-96% of the time against 88-90% with t ~ U(0, 1).
+the image and the best guess of v is -x_t; at t = 1, x_t is the noise and the best guess is x_t - the mean image.
+Measured on digits (experiments/dit_tune.py, 800 steps, one seed each): samples at guidance 1 are labelled as
+their class 95-96% of the time, against 88-90% with t ~ U(0, 1).
 
 Randomness comes from the batch: row r's t, eps and label dropout are drawn from jax.random.key(seeds[r]) under
 vmap, so a row's loss is a function of its own image, label and seed only, the same on any layout, micro-batching
