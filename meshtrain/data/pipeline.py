@@ -412,10 +412,14 @@ def check_vocab(cfg, tok: tokenizer.Tokenizer) -> None:
 
 def make_source(cfg, split: str, shuffle: bool, tok: tokenizer.Tokenizer | None = None) -> Source:
   """The source for `split` of `cfg.data.name`; shuffle=True: a new permutation each epoch, else plain order.
+  task=dit: an image source (meshtrain/data/images.py; `tok` is not used).
 
   `tok`: the tokenizer (default: the one cfg.data.tokenizer names, trained first if it is bpe:N).
   """
   data, name = cfg.data, cfg.data.name
+  if cfg.get("task", "lm") == "dit":  # labelled images, not tokens: meshtrain/data/images.py
+    from meshtrain.data import images  # pylint: disable=g-import-not-at-top
+    return images.make_source(cfg, split, shuffle)
   if cfg.seq_len <= 0:
     raise UserError(f"seq_len must be positive, got {cfg.seq_len}")
   if name == SYNTHETIC:
@@ -516,13 +520,14 @@ def _unknown_dataset_message(name: str, data_dir: str) -> str:
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   try:
     # Community datasets would be looked up over the network.
-    known = tfds.list_builders(with_community_datasets=False) + [STDLIB, SYNTHETIC]
+    known = tfds.list_builders(with_community_datasets=False) + [STDLIB, SYNTHETIC, "digits"]
     near = difflib.get_close_matches(name.split("/")[0].split(":")[0], known, n=3)
   except Exception:  # the suggestion is a nicety; never hide the real message behind a second failure
     near = []
   hint = f" (did you mean {', '.join(map(repr, near))}?)" if near else ""
   return (f"unknown dataset data.name={name!r}{hint}: it is neither {STDLIB!r} (Python's standard library, built "
-          f"locally), {SYNTHETIC!r} (random tokens) nor a registered TFDS dataset. Use one of those, or the name of "
+          f"locally), 'digits' (handwritten digits for task=dit, built locally), {SYNTHETIC!r} (random data) nor a "
+          "registered TFDS dataset. Use one of those, or the name of "
           f"a TFDS dataset prepared as array_record under data.data_dir (now {_where(data_dir)})")
 
 
@@ -579,19 +584,36 @@ def _process_rows(sharding, shape) -> tuple[int, int]:
 
 
 def process_rows(sharding, batch_size: int) -> tuple[int, int]:
-  """(start, stop): the contiguous rows of the global [batch_size, L] array this process's devices hold."""
-  # Which rows are held does not depend on the length; the device count is one every sharding of it divides.
-  return _process_rows(sharding, (batch_size, len(sharding.device_set)))
+  """(start, stop): the contiguous rows of a global [batch_size, ...] array this process's devices hold under
+  `sharding`, a NamedSharding or a dict {batch key: NamedSharding} (whose shardings must agree on the rows)."""
+  if isinstance(sharding, dict):
+    spans = {key: process_rows(s, batch_size) for key, s in sharding.items()}
+    if len(set(spans.values())) > 1:
+      raise ValueError(f"the batch shardings give this process different rows per key ({spans}); every key of a "
+                       "batch must be split the same way along its first (batch) axis")
+    return next(iter(spans.values()))
+  # Which rows are held depends on the batch axis alone; every other axis gets the device count, which each
+  # sharding of it divides, and the shape gets as many axes as the sharding's spec names (images: 4).
+  rank = max(2, len(getattr(sharding, "spec", ())))
+  return _process_rows(sharding, (batch_size,) + (len(sharding.device_set),) * (rank - 1))
 
 
-def global_batch(src: Source, step: int, batch_size: int, sharding) -> dict[str, jax.Array]:
-  """The batch at `step` as global arrays laid out by `sharding`; this process reads only its own rows."""
-  shape = (batch_size, src.seq_len)
-  start, stop = _process_rows(sharding, shape)
-  local = src.rows(step, batch_size, start, stop)
+def _on_devices(sharding, local: dict[str, np.ndarray], batch_size: int) -> dict[str, jax.Array]:
+  """This process's rows of each batch array as global arrays of batch_size rows, each laid out by `sharding` (one
+  NamedSharding for every key, or a dict {key: NamedSharding}); an array's other axes are its own."""
+  if isinstance(sharding, dict) and set(sharding) != set(local):
+    raise ValueError(f"batch keys {sorted(local)} and sharding keys {sorted(sharding)} differ")
   # Full-length rows are always valid local data: a dimension whose local size equals the global one is indexed
-  # directly, so this also holds when the length axis is sharded.
-  return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}
+  # directly, so this also holds when the length axis (or any other non-batch axis) is sharded.
+  return {k: jax.make_array_from_process_local_data(sharding[k] if isinstance(sharding, dict) else sharding, v,
+                                                     (batch_size, *v.shape[1:])) for k, v in local.items()}
+
+
+def global_batch(src, step: int, batch_size: int, sharding) -> dict[str, jax.Array]:
+  """The batch at `step` as global arrays laid out by `sharding` (a NamedSharding for all keys, or a dict
+  {key: NamedSharding}); this process reads only its own rows. `src`: a token or image source (its `rows`)."""
+  start, stop = process_rows(sharding, batch_size)
+  return _on_devices(sharding, src.rows(step, batch_size, start, stop), batch_size)
 
 
 class _StepRows:
@@ -605,14 +627,14 @@ class _StepRows:
 
 
 class _ToDevices:
-  """(step, local rows) -> (step, global arrays laid out by `sharding`)."""
+  """(step, local rows) -> (step, global arrays of batch_size rows laid out by `sharding`, as `global_batch`)."""
 
-  def __init__(self, sharding, shape):
-    self.sharding, self.shape = sharding, shape
+  def __init__(self, sharding, batch_size: int):
+    self.sharding, self.batch_size = sharding, batch_size
 
   def __call__(self, item):
     step, local = item
-    return step, {k: jax.make_array_from_process_local_data(self.sharding, v, self.shape) for k, v in local.items()}
+    return step, _on_devices(self.sharding, local, self.batch_size)
 
 
 def local_batches(src: Source, start_step: int, batch_size: int, start: int, stop: int, *, threads: int = READ_THREADS,
@@ -627,6 +649,8 @@ def local_batches(src: Source, start_step: int, batch_size: int, start: int, sto
 class Batches:
   """Iterates (step, batch) from `start_step` on: the train loop's input.
 
+  `src`: a token or image source (anything with `rows`); `sharding`: a NamedSharding for every key of the batch,
+  or a dict {key: NamedSharding} (images are 4-D, their labels 1-D).
   A grain pipeline: the step indices from `start_step` (a MapDataset, so resuming at step k needs no iterator
   state), mapped to this process's rows of each step's global batch on `threads` worker threads that keep
   `read_ahead` batches ready, then moved onto the devices on grain's prefetch thread, so loading and transfer
@@ -640,9 +664,8 @@ class Batches:
                read_ahead: int = READ_AHEAD):
     if threads < 1 or read_ahead < 1:
       raise ValueError(f"threads and read_ahead must be >= 1, got {threads} and {read_ahead}")
-    shape = (batch_size, src.seq_len)
-    start, stop = _process_rows(sharding, shape)
-    rows, to_devices = _StepRows(src, batch_size, start, stop), _ToDevices(sharding, shape)
+    start, stop = process_rows(sharding, batch_size)
+    rows, to_devices = _StepRows(src, batch_size, start, stop), _ToDevices(sharding, batch_size)
     try:
       import grain  # pylint: disable=g-import-not-at-top
     except ImportError:

@@ -45,3 +45,31 @@ def model_config(name: str) -> ml_collections.ConfigDict:
   m.aux_loss_weight = 1e-2        # Switch load-balancing loss weight
   m.router_z_loss_weight = 1e-3   # router z-loss weight (keeps router logits small)
   return m
+
+
+_DIT_SHAPES = {
+    # name:     image_size, channels, patch_size, classes, layers, d_model, heads, mlp_dim
+    "digits":  (8,          1,        2,          10,      4,      128,     4,     512),
+}
+DIT_PRESETS = tuple(_DIT_SHAPES)
+
+
+def dit_model_config(name: str) -> ml_collections.ConfigDict:
+  """The `model` config group of a diffusion transformer (task=dit, meshtrain/models/dit.py) for preset `name`."""
+  image_size, channels, patch_size, classes, layers, d_model, heads, mlp_dim = _DIT_SHAPES[name]
+  m = ml_collections.ConfigDict()
+  m.preset = name                 # informational: which preset these numbers came from
+  m.image_size = image_size       # square images of image_size x image_size pixels (H = W)
+  m.channels = channels           # C: 1 grayscale, 3 RGB
+  m.patch_size = patch_size       # P: each P x P patch is one token; (image_size / P)^2 tokens (T)
+  m.num_classes = classes         # class ids 0..num_classes-1; id num_classes is the null class (guidance)
+  m.num_layers = layers           # adaLN-Zero blocks
+  m.d_model = d_model             # token width (D); divisible by 4 (2-D sin-cos positions) and by num_heads
+  m.num_heads = heads             # attention heads (A), each d_model / num_heads wide
+  m.mlp_dim = mlp_dim             # GELU MLP hidden width (F)
+  m.class_dropout = 0.1           # training labels replaced by the null class with this probability (for guidance)
+  m.init_std = 0.02               # stddev of every weight the adaLN-Zero scheme does not zero
+  m.dtype = "float32"             # compute dtype: float32 | bfloat16 (parameters stay in param_dtype)
+  m.param_dtype = "float32"       # storage dtype of parameters and optimizer state
+  m.remat = "none"                # rematerialization: none | full (recompute each block in the backward pass)
+  return m

@@ -1,0 +1,206 @@
+"""Image sources: labelled images of a TFDS dataset (or random ones) as deterministic batches for task=dit.
+
+A source maps a global example index to one (image, label); the batch at step k holds examples
+[k * B, (k + 1) * B), so it is a pure function of (seed, k), as for text (meshtrain/data/pipeline.py): rows
+[start, stop) of it can be loaded by any process, and nothing but the step is needed to resume. With shuffle=True
+example i is record perm_e[i mod N] of the split, perm_e a fresh permutation of its N records in epoch e = i // N,
+seeded by (seed, dataset, split) like the text sources; without it, records in order, wrapping around.
+
+Rows are {"images": float32[n, H, W, C] in [-1, 1], "labels": int32[n], "seeds": uint32[n]}. `seeds[r]` is the
+row's own 32-bit seed, a hash of (seed, split, global example index): the DiT task draws the row's noise, time and
+label dropout from it (meshtrain/tasks/dit.py), so a row's loss is the same on any layout, micro-batching or
+process count, and the training step needs no PRNG state.
+
+Any TFDS dataset with an image feature (data.image_key, uint8, fixed size) and a ClassLabel feature
+(data.label_key) works: `digits` is built locally on first use (meshtrain/data/digits.py); others must be prepared
+as array_record under data.data_dir (meshtrain never downloads). Records are read by random access
+(`tfds.data_source`). `data.name=synthetic` gives uniform noise images with random labels and needs no files
+(benchmarks; the GPU machines have no TFDS).
+"""
+import numpy as np
+
+from meshtrain.data import digits, pipeline
+from meshtrain.errors import UserError
+
+SYNTHETIC = pipeline.SYNTHETIC
+# A split whose pixels take at most this many bytes is decoded once, when its source is made, and then served from
+# memory: decoding a stored PNG costs 0.2-1 ms per image (a 128-image digits batch took 85 ms on the 2-core
+# machine, longer than a small DiT step), a lookup microseconds. digits (92 KB), MNIST (47 MB) and CIFAR-10
+# (154 MB: no) show the scale; larger splits are decoded per read, on the input pipeline's threads.
+DECODED_CACHE_BYTES = 64 << 20
+
+
+def row_seeds(seed: int, split: str, first: int, count: int) -> np.ndarray:
+  """uint32[count]: the seeds of global examples first .. first + count - 1 of `split` (see the module doc)."""
+  derive = pipeline._derive_seed  # pylint: disable=protected-access
+  return np.array([derive(seed, split, "noise", first + r) for r in range(count)], np.uint32)
+
+
+def to_unit_range(images_uint8: np.ndarray) -> np.ndarray:
+  """uint8 pixels 0..255 -> float32 in [-1, 1] (0 -> -1, 255 -> 1): the range the diffusion model works in."""
+  return images_uint8.astype(np.float32) * np.float32(2 / 255) - np.float32(1)
+
+
+class ImageSource:
+  """Global example index -> (image uint8[H, W, C] or float32 in [-1, 1], label); batches are made by `rows`."""
+
+  name: str
+  split: str
+  image_shape: tuple[int, int, int]   # (H, W, C)
+  num_classes: int
+  num_examples: int | None            # None: endless (synthetic)
+
+  def __init__(self, seed: int):
+    self.seed = seed
+
+  def example(self, example_index: int) -> tuple[np.ndarray, int]:
+    raise NotImplementedError
+
+  def rows(self, step: int, batch_size: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+    """Rows [start, stop) of the global batch at `step`: {"images" float32[n, H, W, C] in [-1, 1],
+    "labels" int32[n], "seeds" uint32[n]}, n = stop - start."""
+    stop = batch_size if stop is None else stop
+    if step < 0 or not 0 <= start <= stop <= batch_size:
+      raise ValueError(f"bad rows request: step={step}, rows [{start}, {stop}) of a batch of {batch_size}")
+    first = step * batch_size + start
+    images_NHWC = np.empty((stop - start, *self.image_shape), np.float32)
+    labels_N = np.empty(stop - start, np.int32)
+    for r in range(stop - start):
+      image, labels_N[r] = self.example(first + r)
+      images_NHWC[r] = to_unit_range(image) if image.dtype == np.uint8 else image
+    return {"images": images_NHWC, "labels": labels_N, "seeds": row_seeds(self.seed, self.split, first, stop - start)}
+
+
+class SyntheticImageSource(ImageSource):
+  """Uniform noise in [-1, 1] and uniform labels, a function of (seed, split, index); no files, endless."""
+
+  def __init__(self, seed: int, split: str, image_shape: tuple[int, int, int], num_classes: int):
+    super().__init__(seed)
+    self.name, self.split, self.image_shape, self.num_classes = SYNTHETIC, split, tuple(image_shape), num_classes
+    self.num_examples = None
+    self._seed = pipeline._derive_seed("synthetic_images", seed, split)  # pylint: disable=protected-access
+
+  def example(self, example_index: int) -> tuple[np.ndarray, int]:
+    rng = np.random.default_rng([self._seed, example_index])
+    return rng.uniform(-1, 1, self.image_shape).astype(np.float32), int(rng.integers(self.num_classes))
+
+
+class TfdsImageSource(ImageSource):
+  """The records of one split of a TFDS image dataset, read by random access in per-epoch permuted order."""
+
+  def __init__(self, data_source, *, name: str, split: str, image_key: str, label_key: str,
+               image_shape: tuple[int, int, int], num_classes: int, seed: int, shuffle: bool):
+    super().__init__(seed)
+    self.name, self.split, self.image_key, self.label_key = name, split, image_key, label_key
+    self.image_shape, self.num_classes, self.shuffle = tuple(image_shape), num_classes, shuffle
+    self._records = data_source
+    self.num_examples = len(data_source)
+    if self.num_examples == 0:
+      raise UserError(f"data split {split!r} of dataset {name!r} holds no images; set data.train_split / "
+                      "data.eval_split to a non-empty split or slice")
+    self._decoded = None  # (images uint8[N, H, W, C], labels int64[N]) when the split is small enough to keep
+    if self.num_examples * int(np.prod(self.image_shape)) <= DECODED_CACHE_BYTES:
+      decoded = [self._read(i) for i in range(self.num_examples)]
+      self._decoded = (np.stack([image for image, _ in decoded]), np.array([label for _, label in decoded]))
+    # The order is seeded like the text sources' (pipeline.TfdsSource), so the two families share one convention.
+    self._order_seed = pipeline._derive_seed("order", seed, name, split)  # pylint: disable=protected-access
+    self._large_order = None
+    if shuffle and self.num_examples >= pipeline.SMALL_PERMUTATION:
+      import grain  # pylint: disable=g-import-not-at-top
+      # Random access in O(1) memory; grain folds the epoch (index // N) into the seed.
+      self._large_order = grain.MapDataset.range(self.num_examples).shuffle(seed=self._order_seed)
+
+  def record_index(self, example_index: int) -> int:
+    """The record of the split that global example `example_index` reads."""
+    n = self.num_examples
+    if not self.shuffle:
+      return example_index % n
+    if self._large_order is not None:
+      return int(self._large_order[example_index])
+    permutation = pipeline._permutation(self._order_seed, example_index // n, n)  # pylint: disable=protected-access
+    return int(permutation[example_index % n])
+
+  def example(self, example_index: int) -> tuple[np.ndarray, int]:
+    record = self.record_index(example_index)
+    if self._decoded is not None:
+      return self._decoded[0][record], int(self._decoded[1][record])
+    return self._read(record)
+
+  def _read(self, record: int) -> tuple[np.ndarray, int]:
+    """(image uint8[H, W, C], label) of record `record` of the split, read and decoded from the dataset's files."""
+    values = self._records[record]
+    image, label = np.asarray(values[self.image_key]), int(values[self.label_key])
+    if image.shape != self.image_shape:
+      # A dataset whose info declares the shape cannot hold another; this guards datasets written by hand.
+      raise RuntimeError(f"record {record} of {self.name}/{self.split} has an image of shape {image.shape}, not the "
+                         f"{self.image_shape} its features declare")
+    return image, label
+
+
+# --- making sources ------------------------------------------------------------------------------------------
+
+
+def make_source(cfg, split: str, shuffle: bool) -> ImageSource:
+  """The image source for `split` of cfg.data.name (digits is built first if needed), its features checked against
+  cfg.data.image_key / label_key and the model (image_size, channels, num_classes)."""
+  data, model = cfg.data, cfg.model
+  expected = (model.image_size, model.image_size, model.channels)
+  if data.name == SYNTHETIC:
+    return SyntheticImageSource(cfg.seed, split, expected, model.num_classes)
+  if data.name == digits.NAME:
+    digits.build(data.data_dir)
+  ds = pipeline._open_tfds(data.name, split, data.data_dir)  # pylint: disable=protected-access
+  image_shape, num_classes = check_features(data.name, ds.dataset_info.features, data.image_key, data.label_key)
+  check_model(data.name, image_shape, num_classes, model)
+  return TfdsImageSource(ds, name=data.name, split=split, image_key=data.image_key, label_key=data.label_key,
+                         image_shape=image_shape, num_classes=num_classes, seed=cfg.seed, shuffle=shuffle)
+
+
+def check_features(name: str, features, image_key: str, label_key: str) -> tuple[tuple[int, int, int], int]:
+  """((H, W, C), num_classes) of dataset `name`'s image feature `image_key` and ClassLabel `label_key`; UserError,
+  naming the features it has and the flag to set, when either is missing or of another kind."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  items = dict(features.items()) if hasattr(features, "items") else {}
+
+  is_image = lambda f: isinstance(f, tfds.features.Image)
+  is_label = lambda f: isinstance(f, tfds.features.ClassLabel)
+  images, labels = [k for k, f in items.items() if is_image(f)], [k for k, f in items.items() if is_label(f)]
+  listing = "its features are: " + (", ".join(f"{k} ({type(f).__name__})" for k, f in items.items()) or "none")
+  if image_key not in items or not is_image(items[image_key]):
+    what = "no feature" if image_key not in items else "a feature that is not an image at"
+    fix = (f"set --config.data.image_key to one of its image features ({', '.join(images)})" if images else
+           "it has no image feature, so it cannot train an image model (task=dit); use data.name=digits or a TFDS "
+           "image dataset")
+    raise UserError(f"dataset {name!r} has {what} data.image_key={image_key!r}; {listing}; {fix}")
+  if label_key not in items or not is_label(items[label_key]):
+    what = "no feature" if label_key not in items else "a feature that is not a ClassLabel at"
+    fix = (f"set --config.data.label_key to one of its ClassLabel features ({', '.join(labels)})" if labels else
+           "it has no ClassLabel feature, and the class-conditional model (task=dit) needs one; use data.name=digits "
+           "or a TFDS image dataset with class labels")
+    raise UserError(f"dataset {name!r} has {what} data.label_key={label_key!r}; {listing}; {fix}")
+  image = items[image_key]
+  shape = tuple(image.shape)
+  if len(shape) != 3 or any(d is None for d in shape):
+    raise UserError(f"feature data.image_key={image_key!r} of dataset {name!r} has images of shape {shape} (None: "
+                    "varies); the model needs one fixed size, so prepare the dataset with fixed-size images")
+  if np.dtype(image.np_dtype) != np.uint8:
+    raise UserError(f"feature data.image_key={image_key!r} of dataset {name!r} holds {np.dtype(image.np_dtype)} "
+                    "pixels; only 8-bit images (uint8, 0..255) are read")
+  return shape, int(items[label_key].num_classes)
+
+
+def check_model(name: str, image_shape: tuple[int, int, int], num_classes: int, model) -> None:
+  """UserError when the model cannot take the dataset's images or labels (cfg.model: image_size, channels,
+  num_classes)."""
+  height, width, channels = image_shape
+  if height != width:
+    raise UserError(f"dataset {name!r} has {height}x{width} images; the model takes square images "
+                    "(model.image_size), so use a dataset of square images")
+  if (height, channels) != (model.image_size, model.channels):
+    raise UserError(f"dataset {name!r} has {height}x{width} images with {channels} channel(s), but the model takes "
+                    f"model.image_size={model.image_size}, model.channels={model.channels}; set "
+                    f"--config.model.image_size={height} --config.model.channels={channels}")
+  if num_classes > model.num_classes:
+    raise UserError(f"dataset {name!r} has {num_classes} classes (labels 0..{num_classes - 1}), more than "
+                    f"model.num_classes={model.num_classes}; set --config.model.num_classes={num_classes}")
