@@ -494,6 +494,9 @@ def _check_dit(cfg) -> None:
   if m.d_model % m.num_heads:
     raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; each head is "
                     "d_model / num_heads wide")
+  if m.d_model % 4:
+    raise UserError(f"model.d_model={m.d_model} must be divisible by 4 for DiT's 2-D sin-cos position embedding "
+                    f"(half the width per coordinate, sin and cos); e.g. {4 * max(1, m.d_model // 4)}")
   if not 0 <= m.class_dropout < 1:
     raise UserError(f"model.class_dropout={m.class_dropout} must lie in [0, 1): the fraction of training labels "
                     "replaced by the null class (0.1 is usual; 0 trains no unconditional model for guidance)")

@@ -6,11 +6,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import config, mesh as mesh_lib, sharding
+from meshtrain import config, layout as layout_lib, mesh as mesh_lib
 from meshtrain.data import digits
 from meshtrain.errors import UserError
 from meshtrain.models import presets
@@ -217,8 +215,8 @@ def test_refuses_sequence_and_stage_splits():
     mesh = mesh_lib.make_mesh({"data": 4, axis: 2}, devices=jax.devices())
     with pytest.raises(UserError, match=f"mesh.{axis}=2"):
       task_lib.DitTask(tiny_cfg(), mesh)
-  with pytest.raises(UserError, match="divisible by 4"):
-    task_lib.DitTask(tiny_cfg(d_model=30, num_heads=3), one_device_mesh())
+  with pytest.raises(UserError, match="divisible by 4"):  # config.validate, before any mesh or compile
+    config.validate(tiny_cfg(d_model=30, num_heads=3))
 
 
 def test_task_contract_members(task):
@@ -231,10 +229,8 @@ def test_task_contract_members(task):
   assert set(task.shape_fields) <= set(presets.dit_model_config("digits"))
 
 
-# Layouts against one device: the same 3 Adam steps' losses (as tests/test_numerics.py does for the language
-# model). TODO(lead): once core's task-generic layout is merged, build these with meshtrain.layout.build(cfg, mesh)
-# and its compiled train step instead of the small harness below (the replacement, verified against branch core:
-# /work/notes/issue15_dit_layout_test.md).
+# Layouts against one device through layout.build's compiled train step (the program the train loop runs), as
+# tests/test_numerics.py does for the language model: the same 3 optimizer steps' losses.
 STEPS = 3
 LAYOUTS = {
     "data=8": ({"data": 8}, "dp"),
@@ -245,37 +241,19 @@ LAYOUTS = {
 
 
 def train_losses(mesh_sizes, preset, devices):
-  """Losses of STEPS Adam steps on `devices`: parameters sharded by the rules, born sharded; batches split."""
+  """Losses of STEPS optimizer steps of layout.build's compiled train step on `devices`."""
   cfg = tiny_cfg()
-  mesh = mesh_lib.make_mesh({"data": 1, **mesh_sizes}, devices=devices)
-  rules = sharding.for_mesh(sharding.rules_for(preset), mesh)
-  task = task_lib.DitTask(cfg, mesh)
-  tx = optax.adam(3e-3)
-  # As layout.build does: shardings from the shapes first, outside the mesh context.
-  boxed = jax.eval_shape(task.model.init, jax.random.key(0), *task.init_args(B))["params"]
-  sharding.param_table(boxed, mesh, rules)  # every split divides evenly (raises otherwise)
-  param_sh = sharding.shardings_of(boxed, mesh, rules)
-  opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, nn.meta.unbox(boxed)), param_sh,
-                                 transform_non_params=lambda _: NamedSharding(mesh, P()))
-  batch_sh = {k: NamedSharding(mesh, sharding.logical_to_spec(a, rules)) for k, a in task.batch_axes().items()}
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    init = jax.jit(lambda k: nn.meta.unbox(task.model.init(k, *task.init_args(B))["params"]), out_shardings=param_sh)
-    params = init(jax.random.key(0))
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-
-    def step(params, opt_state, batch):
-      (_, aux), grads = jax.value_and_grad(task.loss, has_aux=True)(params, batch)
-      grads = jax.tree.map(lambda g: g / aux["count"], grads)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, aux["loss_sum"] / aux["count"]
-
-    replicated = NamedSharding(mesh, P())
-    step = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh), out_shardings=(param_sh, opt_sh, replicated))
-    losses = []
-    for i in range(STEPS):
-      batch = jax.device_put(digit_batch(offset=i * B, seed_base=100 * i), batch_sh)
-      params, opt_state, loss = step(params, opt_state, batch)
-      losses.append(float(loss))
+  cfg.steps, cfg.batch_size = STEPS, B
+  cfg.optimizer.warmup_steps = 1
+  cfg.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, **mesh_sizes})
+  cfg.sharding.rules = preset
+  layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=devices))
+  state, step = layout.init(cfg.seed), layout.compile_train_step()
+  losses = []
+  for i in range(STEPS):
+    batch = jax.device_put(digit_batch(offset=i * B, seed_base=100 * i), layout.batch_shardings)
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
   return np.array(losses)
 
 

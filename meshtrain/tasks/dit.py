@@ -124,10 +124,6 @@ class DitTask:
       raise UserError(f"mesh.stage={shape['stage']}: pipeline stages are not supported for DiT (its blocks also "
                       "take the per-image condition, which the pipeline does not carry); set mesh.stage=1 and use "
                       "mesh.data, mesh.fsdp or mesh.tensor")
-    if cfg.model.d_model % 4:
-      good = 4 * max(1, cfg.model.d_model // 4)
-      raise UserError(f"model.d_model={cfg.model.d_model} must be divisible by 4 for DiT's 2-D sin-cos position "
-                      f"embedding (half the width per coordinate, sin and cos); e.g. {good}")
     self.cfg = cfg
     self.model_cfg = DiTConfig.from_config(cfg.model)
     self.model = DiT(self.model_cfg)
