@@ -8,10 +8,16 @@ import sys
 README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
 
 
-def quickstart_train_command() -> list[str]:
+def quickstart_commands(config: str) -> list[list[str]]:
+  """The Quickstart's `python -m meshtrain...` commands on the line that trains `config`, in order."""
   section = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
-  (line,) = [l for l in section.splitlines() if "python -m meshtrain.train" in l]
-  return shlex.split(line[line.index("python -m meshtrain.train"):])
+  (line,) = [l for l in section.splitlines() if f"python -m meshtrain.train --config {config}" in l]
+  return [shlex.split(part[part.index("python -m meshtrain."):]) for part in line.split("&&")
+          if "python -m meshtrain." in part]
+
+
+def quickstart_train_command() -> list[str]:
+  return quickstart_commands("configs/tiny.py")[0]
 
 
 def test_quickstart_trains(tmp_path):
@@ -23,6 +29,18 @@ def test_quickstart_trains(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "train step compiled" in proc.stdout and "done: step 8" in proc.stdout
   assert (tmp_path / "run" / "checkpoints" / "8").is_dir() and (tmp_path / "run" / "loss.png").exists()
+
+
+def test_quickstart_image_generator(tmp_path):
+  """The DiT line trains (2 steps, with the sample grid at the end) and samples from its workdir."""
+  train, sample = quickstart_commands("configs/dit_digits.py")
+  for argv, extra in ((train, ["--config.steps=2", "--config.eval_every=2", "--config.log_every=1"]), (sample, [])):
+    argv = [str(tmp_path / a) if a.startswith(("runs/", "digits.png")) else a for a in argv]
+    proc = subprocess.run([sys.executable, *argv[1:], *extra], capture_output=True, text=True, timeout=600,
+                          cwd=pathlib.Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  assert (tmp_path / "runs/dit/samples/step_2.png").exists() and (tmp_path / "digits.png").exists()
+  assert "sample accuracy" in proc.stdout
 
 
 def test_test_command_is_what_ci_runs():
