@@ -235,7 +235,7 @@ def get_config():
   c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.mlp_dim = 32, 1, 2, 64
   c.data.name, c.data.train_split, c.data.eval_split = "digits", "train", "test"
   c.steps, c.batch_size, c.log_every, c.optimizer.warmup_steps = 2, 8, 1, 1
-  c.eval_every = 0  # the sample hook (and the checkpoint) still run at the last step; no eval step to compile
+  c.eval_every, c.eval_batches = 2, 1  # evaluation, the sample hook and the checkpoint run at the last step
   c.sample.steps, c.sample.per_class, c.sample.guidance = 2, 2, 1.5
   return c
 '''

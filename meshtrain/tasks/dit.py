@@ -175,10 +175,11 @@ class DitTask:
     return flops_per_image(self.model_cfg)
 
   def hooks(self, run) -> list:
-    """At eval_every: a sample grid (WORKDIR/samples, TensorBoard) and its quality (meshtrain/sample.py)."""
+    """At eval_every: a sample grid (WORKDIR/samples, TensorBoard) and its quality (meshtrain/sample.py); none
+    when eval_every=0, which turns evaluation off."""
     del run
     from meshtrain import sample as sample_cli  # pylint: disable=g-import-not-at-top  # it imports this module
-    return [sample_cli.SampleHook(self.cfg)]
+    return [sample_cli.SampleHook(self.cfg)] if self.cfg.eval_every else []
 
   def sample(self, params, labels_N, noise_NHWC, steps: int, guidance):
     """`sample` with this task's model."""
