@@ -521,6 +521,32 @@ def checkpoint_steps(workdir) -> list[int]:
                 if p.name.isdigit() and all((p / name).is_file() for name in REQUIRED))
 
 
+def run_meta(workdir_arg: str, step: int | None, what: str) -> tuple[int, dict]:
+  """(step, meta item) of the checkpoint at `step` (default: the newest) of the workdir `workdir_arg` names, read as
+  plain JSON (no JAX), so an entry point can still set the device count and XLA flags from the run's config.
+  `what` completes the message for a workdir without checkpoints ("pass the directory of ...")."""
+  workdir = pathlib.Path(workdir_arg).expanduser()
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise UserError(f"--workdir {workdir_arg}: " + ("no such directory" if not workdir.is_dir() else
+                    "no complete checkpoint in it") + f"; pass the directory of {what}")
+  if step is not None and step not in steps:
+    raise UserError(f"--step {step}: {workdir_arg} has checkpoints at steps {', '.join(map(str, steps))}")
+  step = step if step is not None else steps[-1]
+  meta_path = workdir / "checkpoints" / str(step) / "meta" / "metadata"
+  try:
+    meta = json.loads(meta_path.read_text())
+    meta["config"]  # pylint: disable=pointless-statement
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"cannot read the run's config from {meta_path}: {e}") from e
+  return step, meta
+
+
+def task_of(meta: dict) -> str:
+  """The task a checkpoint was trained for; checkpoints from before tasks existed are language models."""
+  return meta.get("task", meta["config"].get("task", "lm"))
+
+
 def load_params(workdir, step: int | None = None, mesh=None, shardings=None, rules=None):
   """The parameters saved in `workdir` at `step` (default: the newest), and that checkpoint's meta item.
 

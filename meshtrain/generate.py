@@ -14,7 +14,6 @@ the host only wakes up between chunks of `stream_every` tokens, to print them (s
 Exit codes: 0 done, 2 a user mistake (bad prompt, length, sampling setting, missing checkpoint), one `error:` line.
 """
 import dataclasses
-import functools
 import json
 import pathlib
 import sys
@@ -383,20 +382,10 @@ def parse_args(argv: list[str]):
   Sampling(args.temperature, args.top_k, args.top_p).check(vocab_size=None)
   workdir = pathlib.Path(args.workdir).expanduser()
   from meshtrain import checkpoint
-  steps = checkpoint.checkpoint_steps(workdir)
-  if not steps:
-    raise UserError(f"--workdir {args.workdir}: " + ("no such directory" if not workdir.is_dir() else
-                    "no complete checkpoint in it") + "; pass the directory of a training run or of a converted model")
-  if args.step is not None and args.step not in steps:
-    raise UserError(f"--step {args.step}: {args.workdir} has checkpoints at steps {', '.join(map(str, steps))}")
-  # The run's config (model shape, seq_len) from the checkpoint's meta item: plain JSON, read before JAX starts,
-  # so the device count (cpu_devices) and XLA flags can still be set.
-  meta_path = workdir / "checkpoints" / str(args.step if args.step is not None else steps[-1]) / "meta" / "metadata"
-  try:
-    saved = json.loads(meta_path.read_text())["config"]
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(f"cannot read the run's config from {meta_path}: {e}") from e
-  if (task := saved.get("task", "lm")) != "lm":  # runs from before tasks are language models
+  # The run's config (model shape, seq_len) from the checkpoint's meta item, before JAX starts.
+  _, meta = checkpoint.run_meta(args.workdir, args.step, "a training run or of a converted model")
+  saved = meta["config"]
+  if (task := checkpoint.task_of(meta)) != "lm":
     raise UserError(f"{args.workdir} was trained with task={task}; generate needs a language model (task=lm); for a "
                     "diffusion transformer use python -m meshtrain.sample --workdir W --out FILE.png")
   cfg = config_lib.base_config()

@@ -25,7 +25,6 @@ sample_frechet into metrics.jsonl.
 Exit codes: 0 done, 2 a user mistake (classes outside the model's labels, guidance < 0, a workdir of a language
 model, missing checkpoint), one `error:` line.
 """
-import json
 import math
 import pathlib
 import sys
@@ -273,23 +272,10 @@ def parse_args(argv: list[str]):
 
   workdir = pathlib.Path(args.workdir).expanduser()
   from meshtrain import checkpoint  # pylint: disable=g-import-not-at-top
-  steps = checkpoint.checkpoint_steps(workdir)
-  if not steps:
-    raise UserError(f"--workdir {args.workdir}: " + ("no such directory" if not workdir.is_dir() else
-                    "no complete checkpoint in it") + "; pass the directory of a DiT training run (task=dit)")
-  if args.step is not None and args.step not in steps:
-    raise UserError(f"--step {args.step}: {args.workdir} has checkpoints at steps {', '.join(map(str, steps))}")
-  step = args.step if args.step is not None else steps[-1]
-  # The run's config from the checkpoint's meta item: plain JSON, read before JAX starts, so the device count
-  # (cpu_devices) and XLA flags can still be set.
-  meta_path = workdir / "checkpoints" / str(step) / "meta" / "metadata"
-  try:
-    meta = json.loads(meta_path.read_text())
-    saved = meta["config"]
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(f"cannot read the run's config from {meta_path}: {e}") from e
-  task = meta.get("task", saved.get("task", "lm"))  # checkpoints from before tasks existed are language models
-  if task != "dit":
+  # The run's config from the checkpoint's meta item, before JAX starts, so cpu_devices and XLA flags still apply.
+  step, meta = checkpoint.run_meta(args.workdir, args.step, "a DiT training run (task=dit)")
+  saved = meta["config"]
+  if (task := checkpoint.task_of(meta)) != "dit":
     raise UserError(f"{args.workdir} was trained with task={task}; sample needs a DiT run (task=dit); use python -m "
                     "meshtrain.generate for a language model")
   cfg = run_config(saved, overrides)
