@@ -101,7 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.distributed.process_id = -1
   c.distributed.init_timeout_s = 300      # all processes must reach the coordinator within this time
   c.distributed.heartbeat_timeout_s = 100  # a process silent this long is declared dead and the job stops
-  c.distributed.barrier_timeout_s = 1200   # longest wait for all processes at a checkpoint barrier
+  c.distributed.barrier_timeout_s = 1200   # longest wait for all processes at a barrier: start-up, checkpoints
 
   # Mesh: size of each named axis inside one node (fast links). One size may be -1: filled from the device count.
   c.mesh = ml_collections.ConfigDict()

@@ -6,16 +6,20 @@ Where the process count comes from, first match wins:
   1. the config (`distributed.coordinator_address`, `num_processes`, `process_id`);
   2. meshtrain's launcher or a Kubernetes indexed Job: JAX_COORDINATOR_ADDRESS with MESHTRAIN_NUM_PROCESSES and
      MESHTRAIN_PROCESS_ID (or JOB_COMPLETION_INDEX);
-  3. SLURM (srun) or Open MPI (mpirun), detected by JAX itself.
-One process with none of these set runs alone, without the distributed runtime.
+  3. a SLURM job step (srun), read here (`slurm_settings`): JAX's own SLURM detection would give every process
+     only the device numbered SLURM_LOCALID, one GPU of eight with one task per node (jax-ml/jax#16788);
+  4. Open MPI (mpirun), detected by JAX.
+One process with none of these set runs alone, without the distributed runtime; so does a process inside a SLURM
+allocation but outside srun (the batch script's body, an salloc shell), with a note saying so.
 """
 import ipaddress
 import os
+import re
 import socket
 import sys
 import threading
 
-from meshtrain.errors import UserError
+from meshtrain.errors import RunAborted, UserError
 
 # GPU flags that matter for multi-device training (ignored by the CPU backend). The latency-hiding scheduler
 # overlaps collectives with compute; combining small collectives into large ones amortises NCCL launch cost;
@@ -54,15 +58,96 @@ def _cluster_settings(dist_cfg) -> dict | None:
       return None
     if index >= count:
       raise UserError(f"process id {index} is out of range for {count} processes; ids run 0..{count - 1}")
+    ids = env.get("JAX_LOCAL_DEVICE_IDS")
+    # Every device the process sees, or $JAX_LOCAL_DEVICE_IDS; JAX's detection is off so that it cannot narrow them
+    # to one (it would under srun: the launcher or these variables inside a SLURM step).
     return {"coordinator_address": address, "num_processes": count, "process_id": index,
-            "coordinator_bind_address": bind_address(address, dist_cfg.coordinator_bind_address)}
-  if int(env.get("SLURM_NTASKS", 1)) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
-    return {}  # JAX reads the scheduler's variables itself
+            "local_device_ids": [int(i) for i in ids.split(",")] if ids else None,
+            "coordinator_bind_address": bind_address(address, dist_cfg.coordinator_bind_address),
+            "cluster_detection_method": "deactivate"}
+  if "SLURM_JOB_ID" in env:
+    slurm = slurm_settings(env)
+    if slurm is not None or "SLURM_STEP_ID" in env or int(env.get("SLURM_NTASKS", 1)) <= 1:
+      return slurm
+    # The batch script's body or an salloc shell: the job's task count is set, but no task of it is this process.
+    print(f"note: inside SLURM job {env['SLURM_JOB_ID']} ({env['SLURM_NTASKS']} tasks) but not under srun: running "
+          "as one process on this node; start every task with srun to run them all", file=sys.stderr, flush=True)
+    return None
+  if int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
+    return {}  # JAX reads Open MPI's variables itself
   if address or count > 1:
     raise UserError(f"incomplete distributed settings: coordinator {address or '(none)'}, {count} processes, "
                     f"process id {index}; give all three (config distributed.*, or JAX_COORDINATOR_ADDRESS, "
                     "MESHTRAIN_NUM_PROCESSES and MESHTRAIN_PROCESS_ID), or launch with srun / mpirun")
   return None
+
+
+def slurm_settings(env) -> dict | None:
+  """jax.distributed.initialize's arguments for a task of a SLURM job step (srun) of several tasks, else None.
+
+  The coordinator is the step's first node, on the port JAX's own SLURM detection uses (61440 + job id % 4096,
+  or $JAX_COORDINATOR_PORT), so a requeued job finds it where its first attempt did. Which devices the process
+  drives: see `slurm_local_devices`."""
+  if "SLURM_STEP_ID" not in env:  # srun sets it; the batch step and an salloc shell have none (verified here)
+    return None
+  tasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1)))
+  if tasks <= 1:
+    return None
+  port = env.get("JAX_COORDINATOR_PORT") or str(61440 + int(env["SLURM_JOB_ID"]) % 4096)
+  address = f"{first_host(env.get('SLURM_STEP_NODELIST') or env['SLURM_JOB_NODELIST'])}:{port}"
+  return {"coordinator_address": address, "num_processes": tasks, "process_id": int(env["SLURM_PROCID"]),
+          "local_device_ids": slurm_local_devices(env), "coordinator_bind_address": bind_address(address),
+          # With local_device_ids None (all devices), JAX would otherwise fill in [SLURM_LOCALID] itself.
+          "cluster_detection_method": "deactivate"}
+
+
+def slurm_local_devices(env) -> list[int] | None:
+  """The accelerators this task drives, as ids among those the process sees; None for all of them.
+
+  - $JAX_LOCAL_DEVICE_IDS: the user's choice;
+  - one task on this node: every device the node gives the job (JAX would pick device SLURM_LOCALID only);
+  - several tasks on this node: an equal block each, in SLURM_LOCALID order, out of the devices the tasks share
+    ($CUDA_VISIBLE_DEVICES as SLURM's GPU allocation sets it, else $SLURM_GPUS_ON_NODE). A task that already sees
+    fewer devices than there are tasks here was bound to its own by SLURM (--gpus-per-task, --gpu-bind): all of
+    them. With no GPU count at all, one device per task, numbered by SLURM_LOCALID (JAX's default)."""
+  if ids := env.get("JAX_LOCAL_DEVICE_IDS"):
+    return [int(i) for i in ids.split(",")]
+  here = tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1"),
+                       int(env.get("SLURM_NODEID", 0)))
+  if here <= 1:
+    return None
+  local = int(env.get("SLURM_LOCALID", 0))
+  visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+  count = len(visible) or int(env.get("SLURM_GPUS_ON_NODE", 0))
+  if visible and len(visible) < here:
+    return None
+  if not count or count % here:
+    return [local]
+  block = count // here
+  return list(range(local * block, (local + 1) * block))
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+  """SLURM's compressed task counts, e.g. "2(x3),1": the count of the node-th node of the step."""
+  counts = []
+  for part in tasks_per_node.split(","):
+    n, _, repeat = part.partition("(x")
+    counts += [int(n)] * (int(repeat.rstrip(")")) if repeat else 1)
+  return counts[min(node, len(counts) - 1)]
+
+
+def first_host(nodelist: str) -> str:
+  """The first host of a SLURM host list: "gpu-[003-010,12]-ib,cpu1" -> "gpu-003-ib" (zero padding kept)."""
+  host, i = "", 0
+  while i < len(nodelist) and nodelist[i] != ",":
+    if nodelist[i] == "[":
+      end = nodelist.index("]", i)
+      host += re.split(r"[-,]", nodelist[i + 1:end])[0]
+      i = end + 1
+    else:
+      host += nodelist[i]
+      i += 1
+  return host
 
 
 def bind_address(coordinator: str, configured: str = "") -> str | None:
@@ -114,22 +199,50 @@ def start(cfg) -> None:
 
 def _initialize_distributed(jax, cfg, settings: dict) -> None:
   timeout = cfg.distributed.init_timeout_s
-  where = settings.get("coordinator_address", "the coordinator found by SLURM / Open MPI")
-  message = (f"the JAX distributed runtime did not start: not all {settings.get('num_processes', '')} processes "
-             f"reached coordinator {where} within distributed.init_timeout_s={timeout} s. Check that every process "
-             "was started with the same address and process count, and that the port is reachable")
+  if "coordinator_address" in settings:
+    who = (f"{settings['num_processes']} processes, coordinator {settings['coordinator_address']}, this one is "
+           f"process {settings['process_id']}")
+  else:
+    who = "processes and coordinator from Open MPI's variables"
+  late = (f"the JAX distributed runtime did not start: not all processes reached the coordinator within "
+          f"distributed.init_timeout_s={timeout} s ({who}). Check that every process was started with the same "
+          "address and process count, and that the port is reachable")
   # A missing peer makes the runtime abort the process from C++ (no Python exception, a fatal-error dump);
   # this timer fires first and ends the process with the message instead.
-  timer = threading.Timer(timeout, _exit_with, args=(message,))
+  timer = threading.Timer(timeout, _exit_with, args=(late,))
   timer.daemon = True
   timer.start()
   try:
     jax.distributed.initialize(**settings, initialization_timeout=timeout + 30,
                                heartbeat_timeout_seconds=cfg.distributed.heartbeat_timeout_s)
   except Exception as e:
-    raise UserError(f"{message} ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    if "DEADLINE_EXCEEDED" in first:  # the runtime's own time limit, just after the timer's
+      raise UserError(f"{late} ({first})") from e
+    # Anything else is not a late peer: say what was asked for and what the runtime answered.
+    raise UserError(f"the JAX distributed runtime did not start ({who}): {type(e).__name__}: {first}") from e
   finally:
     timer.cancel()
+
+
+def barrier(name: str, timeout_s: int) -> None:
+  """Waits until every process is here, through the coordination service (not a collective), for up to timeout_s.
+
+  Why: the CPU backend's collectives (gloo) connect each group of devices on its first collective and give the
+  peers 30 s to arrive, a limit no setting reaches ("Gloo context initialization failed: DEADLINE_EXCEEDED:
+  GetKeyValue() timed out ... 30 s"); a process that starts, restores or compiles 30 s later than another (a busy
+  host, a slower file system) ended the run. Waiting here first, before the collective, starts everyone together.
+  """
+  import jax
+  if jax.process_count() == 1:
+    return
+  from orbax.checkpoint import multihost
+  try:
+    multihost.get_barrier_sync_fn()(key=f"meshtrain: {name}", timeout_ms=timeout_s * 1000)
+  except Exception as e:
+    raise RunAborted(f"not every process reached {name} within distributed.barrier_timeout_s={timeout_s} s; see the "
+                     f"other processes' output for the one that is late or failed ({str(e).splitlines()[0][:200]})") \
+        from e
 
 
 def _exit_with(message: str) -> None:

@@ -84,14 +84,14 @@ def train(cfg, workdir: pathlib.Path, hooks=()) -> dict:
     import jax
     from meshtrain import workdir as workdir_lib
     # Before anything reads or writes the workdir: a second run there is refused, the first one is left alone.
-    with workdir_lib.exclusive(workdir, jax.process_index(), jax.process_count()):
+    with workdir_lib.exclusive(workdir, jax.process_index(), jax.process_count(), cfg.distributed.barrier_timeout_s):
       return _train(cfg, workdir, preemption, hooks)
 
 
 def _train(cfg, workdir: pathlib.Path, preemption, extra_hooks) -> dict:
   import jax
   from meshtrain import checkpoint, data, finetune, hooks as hooks_lib, layout as layout_lib, mesh as mesh_lib, perf
-  from meshtrain import sharding
+  from meshtrain import runtime, sharding
   from meshtrain.metrics import MetricsWriter
   from meshtrain.profiling import StepProfiler
   from meshtrain.watchdog import Watchdog
@@ -125,6 +125,8 @@ def _train(cfg, workdir: pathlib.Path, preemption, extra_hooks) -> dict:
     log(f"pipeline: {stages} stages, {cfg.pipeline.microbatches} micro-batches, {cfg.pipeline.schedule} schedule; "
         f"bubble {bubble_fraction(stages, cfg.pipeline.microbatches, pipeline_repeats(cfg, stages)):.1%} of each "
         "step idle")
+  # Each process got here at its own pace (data, tokenizer, tracing); Orbax's barriers are collectives: start together.
+  runtime.barrier("the checkpoint restore", cfg.distributed.barrier_timeout_s)
   ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)
   def check(step, meta):
     if meta.get("params_only"):
@@ -228,6 +230,8 @@ def _train(cfg, workdir: pathlib.Path, preemption, extra_hooks) -> dict:
       record = evaluate.evaluate(0, run)
       writer.write(record)
       writer.print(f"step 0 (init_from): eval loss {record['eval_loss']:.4f}")
+  # Compile and restore times differ between processes; the first step's collectives must not wait 30 s for a peer.
+  runtime.barrier("the first step", cfg.distributed.barrier_timeout_s)
   preemption.start_loop(distributed=jax.process_count() > 1)
   try:
     _loop(run, train_fn, batches, hooks)

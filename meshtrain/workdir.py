@@ -25,7 +25,7 @@ NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 @contextlib.contextmanager
-def exclusive(workdir: pathlib.Path, process_index: int = 0, process_count: int = 1):
+def exclusive(workdir: pathlib.Path, process_index: int = 0, process_count: int = 1, barrier_timeout_s: int = 1200):
   """Holds the workdir's lock for the duration of the block (process 0 takes it; with several processes all of
   them learn whether it did). Raises UserError at once, touching nothing else in the workdir, when another run
   holds it."""
@@ -38,6 +38,8 @@ def exclusive(workdir: pathlib.Path, process_index: int = 0, process_count: int 
   if process_count > 1:
     from jax.experimental import multihost_utils
     import numpy as np
+    from meshtrain import runtime
+    runtime.barrier("the workdir lock", barrier_timeout_s)  # the broadcast below is the first collective
     # Every process must stop when process 0 is refused, rather than wait for it at the first collective.
     if not int(multihost_utils.broadcast_one_to_all(np.int32(problem is None))) and problem is None:
       problem = UserError(f"process 0 could not lock {pathlib.Path(workdir) / LOCK_NAME}; see its message")

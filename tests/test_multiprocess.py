@@ -54,3 +54,35 @@ def test_launcher_stops_everyone_when_one_fails(tmp_path):
   proc = launch(2, 4, tmp_path, "--config.nope=1", timeout=120)
   assert proc.returncode == 2
   assert "error: unknown config key 'nope'" in proc.stderr and "[launch] process" in proc.stderr
+
+
+# A process that reaches its first collective more than 30 s after another: the CPU backend's collectives (gloo)
+# give peers 30 s to connect, a limit nothing configures; without runtime.barrier the early process failed with
+# "Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out ... 29.99s" and both aborted.
+LATE_PROCESS = """
+import sys, time
+from meshtrain import runtime, train
+initialize = runtime._initialize_distributed
+def then_late(jax, cfg, settings):
+  initialize(jax, cfg, settings)
+  jax.devices()  # the backends connect here, all processes together; what comes after is each process's pace
+  if settings["process_id"] == 1:
+    time.sleep(float(sys.argv[1]))  # a slow host: loading data, restoring, compiling, or starved of CPU
+runtime._initialize_distributed = then_late
+sys.exit(train.main(sys.argv[2:]))
+"""
+
+
+def test_a_process_35_s_late_is_waited_for(tmp_path):
+  import os
+  from meshtrain.launch import free_port
+  args = [*ARGS, "--config.steps=2", "--config.eval_every=0", "--config.checkpoint_every=0", "--config.cpu_devices=4",
+          "--workdir", str(tmp_path)]
+  address = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen([sys.executable, "-c", LATE_PROCESS, "35", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**xla_fast.env(), "JAX_COORDINATOR_ADDRESS": address, "MESHTRAIN_NUM_PROCESSES": "2",
+                                 "MESHTRAIN_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu"}) for i in range(2)]
+  outputs = [p.communicate(timeout=400)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+  assert "done: step 2" in outputs[0] and "Gloo context initialization failed" not in outputs[0]

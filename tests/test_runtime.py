@@ -11,12 +11,19 @@ from meshtrain.errors import UserError
 
 ROOT = pathlib.Path(__file__).parents[1]
 CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "MESHTRAIN_NUM_PROCESSES", "MESHTRAIN_PROCESS_ID", "JOB_COMPLETION_INDEX",
-                "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_BIND_ADDRESS")
+                "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_BIND_ADDRESS", "JAX_COORDINATOR_PORT", "JAX_LOCAL_DEVICE_IDS",
+                "CUDA_VISIBLE_DEVICES")
+# What srun sets in each task of `sbatch -N2 --ntasks-per-node=1` (seen on the local SLURM of cluster/local_slurm.sh;
+# the batch script's body and an salloc shell have SLURM_JOB_ID and SLURM_NTASKS but no step variables).
+SRUN_TASK = {"SLURM_JOB_ID": "4097", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]",
+             "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_TASKS_PER_NODE": "1(x2)"}
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-  for var in CLUSTER_VARS:
+  import os
+  for var in [*CLUSTER_VARS, *(v for v in os.environ if v.startswith("SLURM_"))]:
     monkeypatch.delenv(var, raising=False)
   return monkeypatch
 
@@ -36,7 +43,9 @@ def test_launcher_and_kubernetes_environments(clean_env):
   clean_env.setenv("MESHTRAIN_NUM_PROCESSES", "4")
   clean_env.setenv("JOB_COMPLETION_INDEX", "3")  # an Indexed Job pod
   assert settings() == {"coordinator_address": "host0:1234", "num_processes": 4, "process_id": 3,
-                        "coordinator_bind_address": None}  # host0 does not resolve here: JAX's default
+                        "local_device_ids": None,  # every device the pod sees
+                        "coordinator_bind_address": None,  # host0 does not resolve here: JAX's default
+                        "cluster_detection_method": "deactivate"}  # JAX may not narrow the devices to one
   clean_env.setenv("MESHTRAIN_PROCESS_ID", "1")  # the launcher's variable wins
   assert settings()["process_id"] == 1
   assert settings(process_id=2)["process_id"] == 2  # and the config beats both
@@ -56,12 +65,113 @@ def test_coordinator_bind_address(clean_env):
       == "0.0.0.0:1234"
 
 
-def test_schedulers_are_left_to_jax(clean_env):
-  clean_env.setenv("SLURM_NTASKS", "16")
-  assert settings() == {}
-  clean_env.delenv("SLURM_NTASKS")
+def test_open_mpi_is_left_to_jax(clean_env):
   clean_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
   assert settings() == {}
+
+
+def test_slurm_step_one_task_per_node_drives_every_device(clean_env):
+  for var, value in SRUN_TASK.items():
+    clean_env.setenv(var, value)
+  # Port as JAX's own detection picks it (61440 + job id % 4096), so a requeued job finds the same one.
+  assert settings() == {"coordinator_address": "gpu07:61441", "num_processes": 2, "process_id": 1,
+                        "local_device_ids": None, "coordinator_bind_address": None,
+                        "cluster_detection_method": "deactivate"}
+  clean_env.setenv("JAX_COORDINATOR_PORT", "1234")
+  assert settings()["coordinator_address"] == "gpu07:1234"
+  clean_env.setenv("JAX_LOCAL_DEVICE_IDS", "2,3")  # the user's choice wins
+  assert settings()["local_device_ids"] == [2, 3]
+  clean_env.setenv("SLURM_STEP_NUM_TASKS", "1")  # a one-task step is a single process
+  assert settings() is None
+
+
+@pytest.mark.parametrize("tasks_per_node, local_id, visible, gpus_on_node, expected", [
+    ("2(x2)", "1", "0,1,2,3,4,5,6,7", None, [4, 5, 6, 7]),  # the node's 8 GPUs split between its 2 tasks
+    ("8(x2)", "3", "0,1,2,3,4,5,6,7", None, [3]),
+    ("4(x2)", "2", None, "8", [4, 5]),                  # no CUDA_VISIBLE_DEVICES: SLURM_GPUS_ON_NODE
+    ("8(x2)", "5", "5", None, None),                    # --gpus-per-task: SLURM bound the task to its own GPU
+    ("2(x2)", "1", None, None, [1]),                    # no GPU count known: one device per task (JAX's rule)
+    ("2,1", "0", "0,1,2,3,4,5,6,7", None, None),        # node 1 of "2,1" holds one task: all its devices
+])
+def test_slurm_several_tasks_per_node_split_the_devices(clean_env, tasks_per_node, local_id, visible, gpus_on_node,
+                                                        expected):
+  for var, value in {**SRUN_TASK, "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_LOCALID": local_id}.items():
+    clean_env.setenv(var, value)
+  for var, value in (("CUDA_VISIBLE_DEVICES", visible), ("SLURM_GPUS_ON_NODE", gpus_on_node)):
+    if value is not None:
+      clean_env.setenv(var, value)
+  assert settings()["local_device_ids"] == expected
+
+
+@pytest.mark.parametrize("where", ["batch script body", "salloc shell"])
+def test_slurm_allocation_outside_srun_runs_one_process(clean_env, capsys, where):
+  env = {"SLURM_JOB_ID": "12", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)"}
+  if where == "batch script body":  # the batch step has these, but no step id or step node list
+    env |= {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+  for var, value in env.items():
+    clean_env.setenv(var, value)
+  assert settings() is None
+  assert capsys.readouterr().err == ("note: inside SLURM job 12 (2 tasks) but not under srun: running as one process "
+                                     "on this node; start every task with srun to run them all\n")
+
+
+def test_slurm_host_lists_and_task_counts():
+  assert runtime.first_host("n1") == "n1"
+  assert runtime.first_host("n[1-2]") == "n1"
+  assert runtime.first_host("gpu-[003-010,012]-ib,cpu1") == "gpu-003-ib"  # zero padding and a suffix kept
+  assert runtime.first_host("a[7,9],b[1-4]") == "a7"
+  assert runtime.first_host("rack[2-3]-gpu[05-06]") == "rack2-gpu05"
+  assert [runtime.tasks_on_node("2(x3),1", n) for n in range(4)] == [2, 2, 2, 1]
+  assert runtime.tasks_on_node("8", 0) == 8
+
+
+# runtime.start under srun with jax.distributed.initialize replaced: what meshtrain hands it, as JSON.
+INITIALIZE_ARGS = """
+import json, sys
+import jax
+def capture(**kwargs):
+  print(json.dumps(kwargs)); sys.exit(0)
+jax.distributed.initialize = capture
+from meshtrain import config, runtime
+runtime.start(config.base_config())
+"""
+
+
+def test_runtime_hands_jax_the_slurm_settings(clean_env):
+  import os
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in CLUSTER_VARS}
+  env |= {**SRUN_TASK, "SLURM_STEP_NODELIST": "localhost", "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", INITIALIZE_ARGS], env=env, cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  import json
+  got = json.loads(proc.stdout.splitlines()[-1])
+  assert got == {"coordinator_address": "localhost:61441", "num_processes": 2, "process_id": 1,
+                 "local_device_ids": None, "coordinator_bind_address": "127.0.0.1:61441",
+                 "cluster_detection_method": "deactivate", "initialization_timeout": 330,
+                 "heartbeat_timeout_seconds": 100}
+
+
+class _Jax:
+  """Stands in for the jax module in _initialize_distributed: its initialize raises what the runtime raised."""
+
+  def __init__(self, error):
+    def initialize(**_):
+      raise error
+    self.distributed = type("distributed", (), {"initialize": staticmethod(initialize)})
+
+
+def test_initialisation_errors_say_what_failed():
+  cfg = config.base_config()
+  settings = {"coordinator_address": "n1:61441", "num_processes": 2, "process_id": 1}
+  # A late peer (the runtime's own deadline) is reported as one; anything else with the runtime's own words.
+  with pytest.raises(UserError, match=r"not all processes reached the coordinator within distributed\.init_timeout_s="
+                                      r"300 s \(2 processes, coordinator n1:61441, this one is process 1\)"):
+    runtime._initialize_distributed(_Jax(RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")), cfg, settings)
+  with pytest.raises(UserError) as e:
+    runtime._initialize_distributed(_Jax(ValueError("coordinator_address should be defined.")), cfg, {})
+  assert str(e.value) == ("the JAX distributed runtime did not start (processes and coordinator from Open MPI's "
+                          "variables): ValueError: coordinator_address should be defined.")
 
 
 def test_incomplete_or_inconsistent_settings(clean_env):
