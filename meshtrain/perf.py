@@ -16,6 +16,7 @@ class Gpu:
   node_bw: float            # bytes/s per device, one direction, to devices in the same node (NVLink)
   network_bw: float         # bytes/s per device, one direction, to other nodes (one 400 / 200 Gb/s NIC per GPU)
   compute_capability: str | None = None  # CUDA's, e.g. "9.0": which attention kernels run (models/attention.py)
+  per_node: int = 8         # devices in one node (NVLink domain): HGX/DGX H100, H200 and A100 hold 8
 
 
 # SXM parts. NVLink: H100/H200 900 GB/s and A100 600 GB/s bidirectional per GPU; networks: NDR (400 Gb/s) and

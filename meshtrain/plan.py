@@ -1,6 +1,6 @@
 """Pick the layout for a cluster: every valid way to split a model over it, ranked by predicted step time.
 
-  python -m meshtrain.plan --config configs/llama8b.py --devices 64 --gpu h100 --nodes 8 [--json]
+  python -m meshtrain.plan --config configs/llama8b.py --devices 64 --gpu h100 [--gpus-per-node 8] [--json]
 
 Enumerates data, fsdp, tensor, sequence, expert and stage sizes, the rematerialization policy, gradient
 accumulation and pipeline micro-batches; estimates each layout's memory and step time from shapes alone
@@ -290,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", required=True)
   parser.add_argument("--devices", type=int, required=True, help="devices in the cluster")
   parser.add_argument("--gpu", required=True, choices=[*perf.GPUS, "cpu"])
-  parser.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over (equal shares)")
+  parser.add_argument("--nodes", type=int, default=0,
+                      help="nodes the devices are spread over, in equal shares (default: --devices / --gpus-per-node)")
+  parser.add_argument("--gpus-per-node", type=int, default=0, metavar="N",
+                      help="devices in one node, one NVLink domain (default: 8 for the GPUs listed; cpu: all of them)")
   parser.add_argument("--hbm", type=float, default=0, metavar="GB", help="memory per device (default: the GPU's)")
   parser.add_argument("--node-bw", type=float, default=0, metavar="GB/s", help="per-device bandwidth inside a node")
   parser.add_argument("--network-bw", type=float, default=0, metavar="GB/s", help="per-device bandwidth across nodes")
@@ -305,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--json", action="store_true")
   try:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.devices < 1 or args.nodes < 1 or args.devices % args.nodes:
-      raise UserError(f"--devices {args.devices} must be a positive multiple of --nodes {args.nodes}")
+    args.nodes, nodes_from = nodes_of(args.devices, args.gpu, args.nodes, args.gpus_per_node)
     if args.devices > config_lib.MAX_CPU_DEVICES:
       raise UserError(f"--devices {args.devices} is more than the {config_lib.MAX_CPU_DEVICES} devices plan can "
                       "simulate to compile and check its layouts; plan for at most that many")
@@ -346,12 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   best = checked[0].row if checked and checked[0].fits else rows[0]
   if args.json:
-    print(json.dumps({"gpu": hw.name, "devices": args.devices, "nodes": args.nodes, "hbm_bytes": hbm,
+    print(json.dumps({"gpu": hw.name, "devices": args.devices, "nodes": args.nodes, "nodes_from": nodes_from, "hbm_bytes": hbm,
                       "layouts_considered": seen, "fits": len(rows), "best": best.to_json(),
                       "ranked": [r.to_json() for r in rows], "verified": [v.to_json() for v in checked]}))
     return 0
   print(f"{cfg.model.get('preset', 'model')}: {seen} layouts considered on {args.devices} x {hw.name} "
-        f"({args.nodes} node(s), {hbm / GB:g} GB each); {len(rows)} fit. Predicted with kernels at peak, "
+        f"({args.nodes} node(s) of {args.devices // args.nodes} ({nodes_from}), {hbm / GB:g} GB each); {len(rows)} "
+        "fit. Predicted with kernels at peak, "
         + ("every collective in sequence:" if args.no_overlap else "data/fsdp traffic hidden behind compute:"))
   print(format_rows(rows, args.top))
   if checked:
@@ -362,6 +365,26 @@ def main(argv: list[str] | None = None) -> int:
   print(f"\nbest: {best.layout.name()}, {best.layout.remat} remat, grad_accum_steps={best.layout.grad_accum}\n"
         f"  python -m meshtrain.train --config {args.config} --workdir RUN " + " ".join(best.layout.overrides()))
   return 0
+
+
+def nodes_of(devices: int, gpu: str, nodes: int, per_node: int) -> tuple[int, str]:
+  """How many nodes `devices` devices fill, and where that came from: --nodes, else whole nodes of --gpus-per-node
+  or of the GPU's own node size (64 H100s are 8 NVLink domains, not one); `cpu` is this one machine."""
+  if devices < 1 or nodes < 0 or per_node < 0:
+    raise UserError(f"--devices {devices}, --nodes {nodes} and --gpus-per-node {per_node} must be positive")
+  if nodes and per_node and nodes * per_node != devices:
+    raise UserError(f"--nodes {nodes} x --gpus-per-node {per_node} is {nodes * per_node} devices, not --devices "
+                    f"{devices}; give one of the two")
+  source = "--nodes" if nodes else "--gpus-per-node" if per_node else None
+  if not nodes:
+    per_node = per_node or (perf.GPUS[gpu].per_node if gpu in perf.GPUS else devices)
+    nodes = -(-devices // per_node)
+  if devices % nodes or (source != "--nodes" and nodes > 1 and devices % per_node):
+    raise UserError(f"--devices {devices} is not {nodes} whole nodes of equal size; give --nodes or --gpus-per-node "
+                    "so that the devices split evenly")
+  source = source or (f"{perf.GPUS[gpu].name} nodes hold {per_node}; --gpus-per-node N to change" if gpu in perf.GPUS
+                      else "this machine")
+  return nodes, source
 
 
 def format_verified(checked: list[Verified]) -> str:

@@ -1,9 +1,12 @@
 """`python -m meshtrain.inspect` and `python -m meshtrain.plan`: compiled figures vs hand-derived and analytic ones."""
 import json
+import subprocess
+import sys
 
 import pytest
 
 from meshtrain import config as config_lib, estimate, inspect, perf, plan
+from meshtrain.errors import UserError
 
 TINY = "configs/tiny.py"
 LAYERS = 4  # the tiny preset's depth, used in the hand counts below
@@ -125,6 +128,24 @@ def test_bad_input_is_exit_2_without_traceback(capsys):
   assert plan.main(["--config", TINY, "--devices", "12", "--nodes", "5", "--gpu", "h100"]) == 2
   err = capsys.readouterr().err
   assert "--devices" in err and "Traceback" not in err
+
+
+def test_plan_node_size_defaults_to_the_gpus_node():
+  # 64 H100s are 8 NVLink domains of 8, not one node of 64 (fsdp=64 over the network would be the "best" there).
+  assert plan.nodes_of(64, "h100", 0, 0) == (8, "H100 SXM 80GB nodes hold 8; --gpus-per-node N to change")
+  assert plan.nodes_of(4, "a100", 0, 0)[0] == 1  # part of one node
+  assert plan.nodes_of(64, "h100", 0, 4) == (16, "--gpus-per-node")
+  assert plan.nodes_of(64, "h100", 4, 0) == (4, "--nodes")
+  assert plan.nodes_of(64, "cpu", 0, 0) == (1, "this machine")
+  for devices, nodes, per_node in ((12, 0, 0), (64, 8, 4), (12, 5, 0), (10, 0, 4)):
+    with pytest.raises(UserError, match="--devices|--nodes"):
+      plan.nodes_of(devices, "h100", nodes, per_node)
+  proc = subprocess.run([sys.executable, "-m", "meshtrain.plan", "--config", TINY, "--devices", "16", "--gpu", "h200",
+                         "--verify", "0", "--json"], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout)
+  assert out["nodes"] == 2 and out["nodes_from"].startswith("H200 SXM 141GB nodes hold 8")
+  assert all(dict(r["across_nodes"]) for r in out["ranked"])  # every layout spans the two nodes with some axis
 
 
 def _best(path, devices, gpu="h100", *overrides):
