@@ -36,8 +36,7 @@ while (($#)); do
   esac
 done
 [[ $NODES == 1 || $NODES == 2 ]] || { echo "local_slurm.sh: --nodes must be 1 or 2, not '$NODES'" >&2; exit 2; }
-mkdir -p "$DIR" 2>/dev/null || true
-DIR=$(cd "$DIR" 2>/dev/null && pwd || echo "$DIR")
+[[ $DIR == /* ]] || DIR=$PWD/$DIR  # absolute: it goes into slurm.conf and the daemons' command lines
 CONF=$DIR/slurm.conf
 HOSTS_MARK="# meshtrain local_slurm.sh $DIR"
 CTLD_PORT=16817
@@ -180,8 +179,8 @@ start() {
   if [[ -n $current || -e $DIR/shape ]]; then
     stop
   fi
+  mkdir -p "$DIR"/{run,state,spool,log} || die "cannot create the state directory $DIR"
   install_packages
-  mkdir -p "$DIR"/{run,state,spool,log}
   # munged refuses a key or socket directory that others can write, and a key readable by others.
   install -d -o munge -g munge -m 0700 "$DIR/munge"
   chown munge:munge "$DIR/run" && chmod 0755 "$DIR/run"
