@@ -94,7 +94,7 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...: poll until COMMAND succ
   shift 2
   local deadline=$((SECONDS + seconds))
   until "$@" > /dev/null 2>&1; do
-    ((SECONDS < deadline)) || return 1
+    ((SECONDS < deadline)) || { log "gave up waiting for $what after $seconds s"; return 1; }
     sleep 0.2
   done
 }
@@ -193,7 +193,9 @@ start() {
     --pid-file="$DIR/run/munged.pid" --log-file="$DIR/munge/munged.log" --seed-file="$DIR/munge/munged.seed"
   wait_for 20 munged test -S "$DIR/run/munge.socket" || die "munged did not start (log: $DIR/munge/munged.log)"
 
-  resolve_nodes $(node_names "$NODES")
+  local names
+  read -ra names <<< "$(node_names "$NODES")"
+  resolve_nodes "${names[@]}"
   write_config "$NODES"
   export SLURM_CONF=$CONF
   # -c: a fresh controller state on every start (no jobs or node states from an earlier shape).
@@ -229,7 +231,7 @@ show_usage() {
 Use it (client commands read SLURM_CONF):
   export SLURM_CONF=$CONF
   sinfo -N
-  sbatch --nodes=$NODES --gpus-per-node=0 --cpus-per-task=1 cluster/slurm.sbatch configs/tiny.py \$PWD/runs/slurm --config.cpu_devices=4
+  sbatch --nodes=$NODES --gpus-per-node=0 --cpus-per-task=1 cluster/slurm.sbatch configs/tiny.py \$PWD/runs/slurm --config.cpu_devices=$((8 / NODES))
   squeue; scancel JOBID
   cluster/local_slurm.sh stop
 EOF
