@@ -211,8 +211,6 @@ def test_scontrol_requeue_resumes_and_keeps_both_logs(cluster, runs, tmp_path):
   assert_params_equal(workdir, runs["two"])
 
 
-@pytest.mark.xfail(strict=True, reason="meshtrain/runtime.py's fix of issue 16 defect 3 (one process inside an "
-                   "allocation outside srun) is on another branch; remove this mark when it is merged")
 @pytest.mark.parametrize("how", ["salloc", "sbatch"])
 def test_inside_an_allocation_outside_srun_runs_as_one_process(cluster, how, tmp_path):
   # SLURM_NTASKS=2 and SLURM_JOB_ID are set there, but no step (SLURM_STEP_ID): not a multi-process launch.
