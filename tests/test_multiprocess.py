@@ -74,7 +74,6 @@ sys.exit(train.main(sys.argv[2:]))
 
 
 def test_a_process_35_s_late_is_waited_for(tmp_path):
-  import os
   from meshtrain.launch import free_port
   args = [*ARGS, "--config.steps=2", "--config.eval_every=0", "--config.checkpoint_every=0", "--config.cpu_devices=4",
           "--workdir", str(tmp_path)]

@@ -420,9 +420,7 @@ def make_source(cfg, split: str, shuffle: bool, tok: tokenizer.Tokenizer | None 
   if cfg.get("task", "lm") == "dit":  # labelled images, not tokens: meshtrain/data/images.py
     from meshtrain.data import images  # pylint: disable=g-import-not-at-top
     return images.make_source(cfg, split, shuffle)
-  if cfg.seq_len <= 0:
-    raise UserError(f"seq_len must be positive, got {cfg.seq_len}")
-  if name == SYNTHETIC:
+  if name == SYNTHETIC:  # seq_len > 0 and the rest of the config: config.validate, which every entry point runs
     return SyntheticSource(cfg.seed, split, cfg.seq_len, cfg.model.vocab_size)
   tok = tok or tokenizer.for_config(cfg)
   check_vocab(cfg, tok)

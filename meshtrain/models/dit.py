@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.models.llama import dense
-from meshtrain.models.params import param
+from meshtrain.models.params import param, zeros
 
 FREQUENCIES = 256  # Q: sinusoidal features of the timestep, as in DiT (frequency_embedding_size)
 TIME_SCALE = 1000.0  # t in [0, 1] is embedded as t x 1000: DiT's timesteps are 0..999, and the frequencies suit them
@@ -115,15 +115,6 @@ def unpatchify(x_BTX, p: int, h: int, w: int, c: int):
   return x.reshape(B, h, w, c)
 
 
-def zeros_param(module: nn.Module, name: str, shape: tuple[int, ...], logical: tuple, dtype: str):
-  """A zero-initialised parameter tagged with logical axes, like params.param's.
-
-  adaLN-Zero needs exact zeros and params.param has no such initialiser (its std=None is ones and a std of 0 is
-  falsy, so also ones); this is the same call with nn.initializers.zeros.
-  """
-  return module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, logical), shape, jnp.dtype(dtype))
-
-
 class Modulation(nn.Module):
   """SiLU(c) -> M vectors of width D (shift / scale / gate), zero-initialised: [B, D] -> [B, M, D]."""
   cfg: DiTConfig
@@ -134,8 +125,8 @@ class Modulation(nn.Module):
     cfg = self.cfg
     # The input width is `embed` (split by fsdp); the outputs act elementwise on the unsplit residual stream,
     # so they stay whole.
-    w_DMD = zeros_param(self, "w", (cfg.d_model, self.count, cfg.d_model), ("embed", None, None), cfg.param_dtype)
-    b_MD = zeros_param(self, "b", (self.count, cfg.d_model), (None, None), cfg.param_dtype)
+    w_DMD = zeros(self, "w", (cfg.d_model, self.count, cfg.d_model), ("embed", None, None), cfg.param_dtype)
+    b_MD = zeros(self, "b", (self.count, cfg.d_model), (None, None), cfg.param_dtype)
     m_BMD = jnp.einsum("bi,imo->bmo", nn.silu(c_BD), w_DMD.astype(cfg.dtype)) + b_MD.astype(cfg.dtype)
     return nn.with_logical_constraint(m_BMD, ("act_batch", None, "act_embed"))
 
@@ -204,7 +195,7 @@ class DiT(nn.Module):
     D, X = c.d_model, c.patch_dim
     # Patch embedding: a linear map of each flattened patch (the same as DiT's stride-P convolution).
     w_patch = param(self, "patch", (X, D), (None, "embed"), c.init_std, c.param_dtype)
-    b_patch = zeros_param(self, "patch_bias", (D,), ("embed",), c.param_dtype)
+    b_patch = zeros(self, "patch_bias", (D,), ("embed",), c.param_dtype)
     x_BTX = patchify(x_BHWC.astype(c.dtype), c.patch_size)
     x_BTD = dense(x_BTX, w_patch.astype(c.dtype), "X,XD->D") + b_patch.astype(c.dtype)
     x_BTD = x_BTD + sincos_2d(c.image_size // c.patch_size, D).astype(c.dtype)[None]
@@ -212,9 +203,9 @@ class DiT(nn.Module):
 
     # Conditioning: timestep MLP (Q -> D -> D, SiLU between) plus the class embedding (num_classes + 1 rows).
     w_t1 = param(self, "time_in", (FREQUENCIES, D), (None, "embed"), c.init_std, c.param_dtype)
-    b_t1 = zeros_param(self, "time_in_bias", (D,), ("embed",), c.param_dtype)
+    b_t1 = zeros(self, "time_in_bias", (D,), ("embed",), c.param_dtype)
     w_t2 = param(self, "time_out", (D, D), (None, "embed"), c.init_std, c.param_dtype)
-    b_t2 = zeros_param(self, "time_out_bias", (D,), ("embed",), c.param_dtype)
+    b_t2 = zeros(self, "time_out_bias", (D,), ("embed",), c.param_dtype)
     # Replicated (a few KB): 11 rows split over `tensor` would not divide evenly, and with its width split over
     # `fsdp` XLA's SPMD partitioner cannot reshard the looked-up rows to the batch split ("involuntary full
     # rematerialization" under fsdp_tp: the whole [B, D] gathered on every device, forward and backward).
@@ -235,8 +226,8 @@ class DiT(nn.Module):
     # Final layer: adaLN (shift, scale) then a zero-initialised linear map to patch pixels.
     m_BMD = Modulation(c, MOD_FINAL, name="final_modulation")(c_BD)
     x_BTD = modulate(layer_norm(x_BTD), m_BMD[:, 0], m_BMD[:, 1])
-    w_out = zeros_param(self, "out", (D, X), ("embed", None), c.param_dtype)
-    b_out = zeros_param(self, "out_bias", (X,), (None,), c.param_dtype)
+    w_out = zeros(self, "out", (D, X), ("embed", None), c.param_dtype)
+    b_out = zeros(self, "out_bias", (X,), (None,), c.param_dtype)
     out_BTX = dense(x_BTD, w_out.astype(c.dtype), "D,DX->X") + b_out.astype(c.dtype)
     out_BHWC = unpatchify(out_BTX.astype(jnp.float32), c.patch_size, c.image_size, c.image_size, c.channels)
     return nn.with_logical_constraint(out_BHWC, ("act_batch", None, None, None))

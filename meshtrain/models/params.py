@@ -49,6 +49,12 @@ class FanIn:
     return init
 
 
+def zeros(module: nn.Module, name: str, shape: tuple[int, ...], logical: tuple, dtype: str):
+  """A zero-initialised parameter tagged with `logical` axes (DiT's adaLN-Zero: exact zeros; `param`'s std=None
+  is ones, for norm scales)."""
+  return module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, logical), shape, jnp.dtype(dtype))
+
+
 def initializer(init: str, std: float | None, fan_in: FanIn | None):
   """The initialiser of one parameter under `init` (see the module docstring)."""
   if init not in INITS:
