@@ -280,7 +280,7 @@ _UNIT_HEADS = {"tokens": "tok/s/dev", "images": "img/s/dev"}
 
 
 def format_rows(rows: list[Row], top: int) -> str:
-  unit = rows[0].throughput_key.removesuffix("_per_sec") if rows else "tokens"
+  unit = rows[0].throughput_key.removesuffix("_per_sec")  # one task's rows (main refuses an empty ranking)
   head = ("#", "layout", "nodes", "remat", "accum", "micro", "GB/dev", "compute s", "dp/fsdp s", "exposed s",
           "network s", "step s", "MFU", _UNIT_HEADS.get(unit, f"{unit}/s/dev"))
   lines = [head]

@@ -128,7 +128,7 @@ UNSUPPORTED_AXES = {
 }
 
 
-def check_parallelism(cfg, sizes: dict) -> None:
+def check_parallelism(sizes: dict) -> None:
   """Refuses (UserError) a mesh that splits an axis of UNSUPPORTED_AXES; the layout and plan both ask here."""
   for axis, reason in UNSUPPORTED_AXES.items():
     if sizes.get(axis, 1) > 1:
@@ -147,7 +147,7 @@ class DitTask:
 
   def __init__(self, cfg, mesh, platform: str | None = None):
     del platform  # one attention implementation (plain einsums over T ~ 16 tokens) on every platform
-    check_parallelism(cfg, dict(mesh.shape))
+    check_parallelism(dict(mesh.shape))
     self.cfg = cfg
     self.model_cfg = DiTConfig.from_config(cfg.model)
     self.model = DiT(self.model_cfg)
@@ -280,7 +280,7 @@ class CostModel:
 
   def check_parallelism(self, sizes: dict, microbatches: int | None = None) -> None:
     del microbatches  # no pipeline
-    check_parallelism(self.cfg, sizes)
+    check_parallelism(sizes)
 
   def attention_on(self, platform: str, capability: str | None) -> str:
     """One implementation everywhere: plain einsums, which keep the [T, T] scores (T is small)."""
