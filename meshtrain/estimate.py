@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import mesh as mesh_lib, optim, perf, sharding
 from meshtrain.hlo import Collective
@@ -67,8 +67,27 @@ def abstract_params(cfg):
   return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
 
 
+def _abstract_mesh(sizes: dict) -> AbstractMesh:
+  """The mesh of `sizes` (mesh axis -> size) without devices, with Auto axes like mesh.make_mesh's: an AbstractMesh's
+  axes default to Explicit on JAX 0.12 (Auto on 0.10), and the model's sharding constraints assert on Explicit axes."""
+  return AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES,
+                      axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
+
+
+def _scan_groups(eqn) -> tuple[int, int]:
+  """(consts, carry): how many of a `scan` equation's inputs are loop-invariant constants and how many the carry.
+
+  Read from lax.scan's public semantics, not its private params (JAX 0.10 names them num_consts/num_carry, JAX 0.11+
+  packs them in a tree): the body takes (consts, carry, x slices) and returns (carry, y slices), so the x inputs are
+  the first whose body variable has one dimension fewer than the operand, and the y outputs likewise."""
+  body = next(iter(jcore.jaxprs_in_params(eqn.params)))
+  ndims = lambda outer, inner: [len(o.aval.shape) == len(i.aval.shape) for o, i in zip(outer, inner)] + [False]
+  consts_and_carry, carry = ndims(eqn.invars, body.invars).index(False), ndims(eqn.outvars, body.outvars).index(False)
+  return consts_and_carry - carry, carry
+
+
 def rules_for_layout(cfg, sizes: dict):
-  mesh = AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+  mesh = _abstract_mesh(sizes)
   return mesh, sharding.for_mesh(sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel), mesh)
 
 
@@ -102,7 +121,7 @@ def _layer_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool,
                   length=2, metadata_params={nn.PARTITION_NAME: "layers"})(model_cfg)
   L, D, dtype = length * shards, model_cfg.d_model, jnp.dtype(model_cfg.dtype)
   sizes = {a: 1 for a in mesh_lib.AXES} | {"sequence": shards}
-  mesh = AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+  mesh = _abstract_mesh(sizes)
   # A batch of p sequences, p a prime that divides no other dimension: a residual is per sequence iff p divides
   # its size. (Concrete, not symbolic: a symbolic batch changes which residuals JAX keeps in the ring's conds.)
   dims = (L, length, D, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, model_cfg.mlp_dim,
@@ -121,13 +140,13 @@ def _layer_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool,
   # forward loop (the model's projections flatten [b, l, D] to [b*l, D], once per projection) share one buffer.
   source = {}
   for e in scans[:-1]:
-    body = e.params["jaxpr"].jaxpr
+    body = next(iter(jcore.jaxprs_in_params(e.params)))
     reshaped = {q.outvars[0]: q.invars[0] for q in body.eqns if q.primitive.name == "reshape"}
     for outer, inner in zip(e.outvars, body.outvars):
       origin = reshaped.get(inner, inner)
       source[outer] = (origin, tuple(origin.aval.shape))
   seen = set()
-  consts, carry = backward.params["num_consts"], backward.params["num_carry"]
+  consts, carry = _scan_groups(backward)
   layer = layer_fixed = stream = shared = fixed = 0
   for i, v in enumerate(backward.invars):
     if not isinstance(v, jcore.Var) or v in jaxpr.invars or consts <= i < consts + carry:
