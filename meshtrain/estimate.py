@@ -22,11 +22,10 @@ import functools
 import json
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import mesh as mesh_lib, optim, sharding, tasks
 from meshtrain.hlo import Collective
@@ -62,13 +61,27 @@ class Estimate:
     return self.arguments_bytes_per_device + self.temp_bytes_per_device
 
 
-def abstract_params(cfg):
-  """The model's parameters as shapes with logical axis names (boxed), traced once; no devices needed."""
-  return tasks.cost_model(cfg).abstract_params()
+def _abstract_mesh(sizes: dict) -> AbstractMesh:
+  """The mesh of `sizes` (mesh axis -> size) without devices, with Auto axes like mesh.make_mesh's: an AbstractMesh's
+  axes default to Explicit on JAX 0.12 (Auto on 0.10), and the model's sharding constraints assert on Explicit axes."""
+  return AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES,
+                      axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
+
+
+def _scan_groups(eqn) -> tuple[int, int]:
+  """(consts, carry): how many of a `scan` equation's inputs are loop-invariant constants and how many the carry.
+
+  Read from lax.scan's public semantics, not its private params (JAX 0.10 names them num_consts/num_carry, JAX 0.11+
+  packs them in a tree): the body takes (consts, carry, x slices) and returns (carry, y slices), so the x inputs are
+  the first whose body variable has one dimension fewer than the operand, and the y outputs likewise."""
+  body = next(iter(jcore.jaxprs_in_params(eqn.params)))
+  ndims = lambda outer, inner: [len(o.aval.shape) == len(i.aval.shape) for o, i in zip(outer, inner)] + [False]
+  consts_and_carry, carry = ndims(eqn.invars, body.invars).index(False), ndims(eqn.outvars, body.outvars).index(False)
+  return consts_and_carry - carry, carry
 
 
 def rules_for_layout(cfg, sizes: dict):
-  mesh = AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+  mesh = _abstract_mesh(sizes)
   return mesh, sharding.for_mesh(sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel), mesh)
 
 
@@ -76,9 +89,9 @@ def rules_for_layout(cfg, sizes: dict):
 class _Residuals:
   """Bytes per device that the forward pass of a scanned stack of blocks keeps for the backward pass."""
   layer: int    # per layer and sequence: what the forward loop stacks, one slice per layer, for the backward loop
-  layer_fixed: int  # per layer, whatever the batch (broadcast norm scales)
+  layer_fixed: int  # per layer, whatever the batch (the LM's broadcast norm scales, DiT's reshaped weights)
   stream: int   # of which residual-stream tensors ([l, D] per sequence)
-  shared: int   # per sequence, once for all layers: loop-invariant, from the positions alone (the causal mask)
+  shared: int   # per sequence, once for all layers: loop-invariant (the LM's causal mask, DiT's condition)
   fixed: int    # once, whatever the batch (the rotary tables)
 
 
@@ -110,13 +123,13 @@ def _layer_residuals(stack, length: int, fused_attention: bool, shards: int = 1)
   # forward loop (the model's projections flatten [b, l, D] to [b*l, D], once per projection) share one buffer.
   source = {}
   for e in scans[:-1]:
-    body = e.params["jaxpr"].jaxpr
+    body = next(iter(jcore.jaxprs_in_params(e.params)))
     reshaped = {q.outvars[0]: q.invars[0] for q in body.eqns if q.primitive.name == "reshape"}
     for outer, inner in zip(e.outvars, body.outvars):
       origin = reshaped.get(inner, inner)
       source[outer] = (origin, tuple(origin.aval.shape))
   seen = set()
-  consts, carry = backward.params["num_consts"], backward.params["num_carry"]
+  consts, carry = _scan_groups(backward)
   layer = layer_fixed = stream = shared = fixed = 0
   for i, v in enumerate(backward.invars):
     if not isinstance(v, jcore.Var) or v in jaxpr.invars or consts <= i < consts + carry:

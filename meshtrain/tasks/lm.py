@@ -201,9 +201,9 @@ class LayerStack:
   def gradient_jaxpr(self, batch: int, length: int, shards: int):
     """The gradient of a two-layer `nn.scan` of the (remat-wrapped) block on [batch, length, D], with the sequence
     split over `shards` devices traced through meshtrain's ring attention on an abstract mesh."""
-    from jax.sharding import AbstractMesh
     import flax.linen as nn
     from meshtrain import mesh as mesh_lib, sharding
+    from meshtrain.estimate import _abstract_mesh
     from meshtrain.models.llama import REMAT_POLICIES, Block
     model_cfg = self.model
     block = Block if model_cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[model_cfg.remat],
@@ -212,7 +212,7 @@ class LayerStack:
                     length=2, metadata_params={nn.PARTITION_NAME: "layers"})(model_cfg)
     L, D, dtype = length, model_cfg.d_model, jnp.dtype(model_cfg.dtype)
     sizes = {a: 1 for a in mesh_lib.AXES} | {"sequence": shards}
-    mesh = AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+    mesh = _abstract_mesh(sizes)
     # The parameters' shapes do not depend on the split sequence: taken outside the mesh (no ring to trace).
     params = jax.eval_shape(lambda: nn.meta.unbox(stack.init(jax.random.key(0), jnp.zeros((1, L, D), dtype),
                                                              jnp.arange(L))["params"]))
