@@ -1,12 +1,15 @@
 """What a layout costs, from shapes and arithmetic alone: memory per device, FLOPs, collectives, step time.
 
 `python -m meshtrain.inspect` prints these expectations next to what XLA compiled; `python -m meshtrain.plan`
-ranks every layout of a cluster with them. Nothing here allocates arrays or needs the devices it describes:
+ranks every layout of a cluster with them. Nothing here allocates arrays or needs the devices it describes, and
+nothing here knows the model family: the task's cost model (`tasks.cost_model(cfg)`, the contract in
+meshtrain/tasks/__init__.py) gives the parameter table, the block stack to trace, the model-specific parts of the
+working set, the FLOPs per example and the collectives its blocks force; this module does the arithmetic:
   - parameter and optimizer bytes: the parameter table (shapes, logical axes) under the layout's rules;
   - activation bytes: JAX's own residuals of the layer stack (what the backward loop reads under the remat
-    policy, traced at the per-device shapes), per layer run, and on top of them the larger of the loss's logits
-    and one layer's backward working set (what XLA's buffer assignment keeps at the peak, see `estimate`);
-  - collectives: derived layer by layer from what each split forces (listed in `collectives`);
+    policy, traced at the per-device shapes), per layer run, and on top of them the larger of the loss's working
+    set and one layer's backward working set (what XLA's buffer assignment keeps at the peak, see `estimate`);
+  - collectives: derived layer by layer from what each split forces (the task's `collectives`);
   - step time: FLOPs at the device's peak; collective bytes over the link each one crosses (NVLink inside a
     node, the network across nodes), data/fsdp traffic overlapped with compute, the rest exposed.
 All of it describes the scanned layer loop. A shallow stack that `model.scan_unroll` unrolls reduces the same
@@ -19,15 +22,13 @@ import functools
 import json
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
-from meshtrain import mesh as mesh_lib, optim, perf, sharding
+from meshtrain import mesh as mesh_lib, optim, sharding, tasks
 from meshtrain.hlo import Collective
-from meshtrain.models.llama import REMAT_POLICIES, Block, ModelConfig, Transformer
 from meshtrain.tasks import lm
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -41,8 +42,8 @@ class Estimate:
   optimizer_bytes_per_device: int
   gradient_bytes_per_device: int       # gradients (and their accumulator with grad_accum_steps > 1)
   activation_bytes_per_device: int     # residuals of every layer run, then one layer's backward or the logits
-  batch_bytes_per_device: int          # the input and target tokens
-  model_flops_per_step: float          # per device: 6N + attention, what MFU counts
+  batch_bytes_per_device: int          # the batch's arrays (LM: input and target tokens; DiT: images, labels, seeds)
+  model_flops_per_step: float          # per device: the task's flops_per_example (LM: 6N + attention), what MFU counts
   flops_per_step: float                # per device, including the recomputed forward of full remat
   bubble: float                        # pipeline idle fraction
   collectives: list[Collective]        # per device, per step
@@ -60,15 +61,27 @@ class Estimate:
     return self.arguments_bytes_per_device + self.temp_bytes_per_device
 
 
-def abstract_params(cfg):
-  """The model's parameters as shapes with logical axis names (boxed), traced once; no devices needed."""
-  model = Transformer(ModelConfig.from_config(cfg.model))
-  tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
-  return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+def _abstract_mesh(sizes: dict) -> AbstractMesh:
+  """The mesh of `sizes` (mesh axis -> size) without devices, with Auto axes like mesh.make_mesh's: an AbstractMesh's
+  axes default to Explicit on JAX 0.12 (Auto on 0.10), and the model's sharding constraints assert on Explicit axes."""
+  return AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES,
+                      axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
+
+
+def _scan_groups(eqn) -> tuple[int, int]:
+  """(consts, carry): how many of a `scan` equation's inputs are loop-invariant constants and how many the carry.
+
+  Read from lax.scan's public semantics, not its private params (JAX 0.10 names them num_consts/num_carry, JAX 0.11+
+  packs them in a tree): the body takes (consts, carry, x slices) and returns (carry, y slices), so the x inputs are
+  the first whose body variable has one dimension fewer than the operand, and the y outputs likewise."""
+  body = next(iter(jcore.jaxprs_in_params(eqn.params)))
+  ndims = lambda outer, inner: [len(o.aval.shape) == len(i.aval.shape) for o, i in zip(outer, inner)] + [False]
+  consts_and_carry, carry = ndims(eqn.invars, body.invars).index(False), ndims(eqn.outvars, body.outvars).index(False)
+  return consts_and_carry - carry, carry
 
 
 def rules_for_layout(cfg, sizes: dict):
-  mesh = AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+  mesh = _abstract_mesh(sizes)
   return mesh, sharding.for_mesh(sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel), mesh)
 
 
@@ -76,44 +89,33 @@ def rules_for_layout(cfg, sizes: dict):
 class _Residuals:
   """Bytes per device that the forward pass of a scanned stack of blocks keeps for the backward pass."""
   layer: int    # per layer and sequence: what the forward loop stacks, one slice per layer, for the backward loop
-  layer_fixed: int  # per layer, whatever the batch (broadcast norm scales)
+  layer_fixed: int  # per layer, whatever the batch (the LM's broadcast norm scales, DiT's reshaped weights)
   stream: int   # of which residual-stream tensors ([l, D] per sequence)
-  shared: int   # per sequence, once for all layers: loop-invariant, from the positions alone (the causal mask)
+  shared: int   # per sequence, once for all layers: loop-invariant (the LM's causal mask, DiT's condition)
   fixed: int    # once, whatever the batch (the rotary tables)
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool, shards: int = 1) -> _Residuals:
+def _layer_residuals(stack, length: int, fused_attention: bool, shards: int = 1) -> _Residuals:
   """What JAX keeps from the forward pass of the layer stack for its backward pass, per device.
 
-  Traced the way the model runs: the gradient of a two-layer `nn.scan` of the (remat-wrapped) block, at per-device
-  heads and MLP width (the caller shrinks them by the tensor split); with the sequence split over `shards`
-  devices, through meshtrain's ring attention on an abstract mesh (everything the block keeps is split along the
-  sequence). The residuals are what the backward scan reads after dead code is
+  `stack` (the task's, hashable) traces the way the model runs: the gradient of a two-layer `nn.scan` of the
+  (remat-wrapped) block, at per-device heads and MLP width (the task shrinks them by the tensor split); with the
+  sequence split over `shards` devices, through the model's sequence-split attention (everything the block keeps
+  is split along the sequence). The residuals are what the backward scan reads after dead code is
   removed: the forward scan's stacked outputs, and its loop-invariant inputs, which JAX hoists out of the loop
-  and keeps once for all layers (the mask and rotary tables depend on the positions alone). So it follows the
-  remat policy, grouped-query attention, MoE and the ring without a hand-written formula; parameters are not
-  counted. Fused attention (cuDNN flash attention on GPUs) keeps no [L, L] scores.
+  and keeps once for all layers (the LM's mask and rotary tables depend on the positions alone; DiT's condition
+  vector is per image). So it follows the remat policy, grouped-query attention, MoE and the ring without a
+  hand-written formula; parameters are not counted. Fused attention (cuDNN flash attention on GPUs) keeps no
+  [L, L] scores.
   """
   from jax._src.interpreters import partial_eval as pe  # jit's own dead-code elimination, not in the public API
-  block = Block if model_cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[model_cfg.remat],
-                                                            prevent_cse=False)
-  stack = nn.scan(block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
-                  length=2, metadata_params={nn.PARTITION_NAME: "layers"})(model_cfg)
-  L, D, dtype = length * shards, model_cfg.d_model, jnp.dtype(model_cfg.dtype)
-  sizes = {a: 1 for a in mesh_lib.AXES} | {"sequence": shards}
-  mesh = AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+  L, D = length * shards, stack.width
   # A batch of p sequences, p a prime that divides no other dimension: a residual is per sequence iff p divides
   # its size. (Concrete, not symbolic: a symbolic batch changes which residuals JAX keeps in the ring's conds.)
-  dims = (L, length, D, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, model_cfg.mlp_dim,
-          model_cfg.vocab_size, max(model_cfg.num_experts, 1), shards, max(shards - 1, 1))
+  dims = (L, length, D, shards, max(shards - 1, 1), *stack.dims)
   batch = next(p for p in range(11, 1000, 2) if all(p % q for q in range(3, p, 2)) and all(d % p for d in dims))
-  # The parameters' shapes do not depend on the split sequence: taken outside the mesh (no ring to trace).
-  params = jax.eval_shape(lambda: nn.meta.unbox(stack.init(jax.random.key(0), jnp.zeros((1, L, D), dtype),
-                                                           jnp.arange(L))["params"]))
-  loss = lambda p, x: stack.apply({"params": p}, x, jnp.arange(L))[0].astype(jnp.float32).sum()
-  with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.for_mesh(sharding.rules_for("dp"), mesh)):
-    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jax.ShapeDtypeStruct((batch, L, D), dtype))
+  closed = stack.gradient_jaxpr(batch, L, shards)
   jaxpr = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0]
   scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
   backward, stacked_out = scans[-1], {v for e in scans[:-1] for v in e.outvars}
@@ -121,13 +123,13 @@ def _layer_residuals(model_cfg: ModelConfig, length: int, fused_attention: bool,
   # forward loop (the model's projections flatten [b, l, D] to [b*l, D], once per projection) share one buffer.
   source = {}
   for e in scans[:-1]:
-    body = e.params["jaxpr"].jaxpr
+    body = next(iter(jcore.jaxprs_in_params(e.params)))
     reshaped = {q.outvars[0]: q.invars[0] for q in body.eqns if q.primitive.name == "reshape"}
     for outer, inner in zip(e.outvars, body.outvars):
       origin = reshaped.get(inner, inner)
       source[outer] = (origin, tuple(origin.aval.shape))
   seen = set()
-  consts, carry = backward.params["num_consts"], backward.params["num_carry"]
+  consts, carry = _scan_groups(backward)
   layer = layer_fixed = stream = shared = fixed = 0
   for i, v in enumerate(backward.invars):
     if not isinstance(v, jcore.Var) or v in jaxpr.invars or consts <= i < consts + carry:
@@ -167,20 +169,13 @@ def _pipeline_shape(cfg, stages: int) -> tuple[int, int, int]:
   return micro, repeats, repeats * micro + stages - 1
 
 
-def _local_model(cfg, tensor: int, experts: int) -> ModelConfig:
-  """The model as one device of the tensor (and expert) split computes it."""
-  m = ModelConfig.from_config(cfg.model)
-  kv = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
-  return dataclasses.replace(m, num_heads=m.num_heads // tensor, num_kv_heads=kv, mlp_dim=m.mlp_dim // tensor,
-                             num_experts=m.num_experts // experts if m.num_experts else 0)
-
-
 def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False) -> Estimate:
   """The expected per-device costs of training `cfg` on a mesh of `sizes` (mesh axis -> size).
 
   Raises UserError (from the parameter table) when a dimension does not split evenly.
   """
-  boxed = abstract_params(cfg) if boxed_params is None else boxed_params
+  model = tasks.cost_model(cfg)
+  boxed = model.abstract_params() if boxed_params is None else boxed_params
   mesh, rules = rules_for_layout(cfg, sizes)
   table = sharding.param_table(boxed, mesh, rules)
   gathered = sharding.param_table(boxed, *rules_for_layout(cfg, {**sizes, "fsdp": 1}))  # weights as used
@@ -189,8 +184,8 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   stages, tensor, shards = sizes["stage"], sizes["tensor"], sizes["sequence"]
   micro, repeats, iterations = _pipeline_shape(cfg, stages)
   batch_ways = math.prod(sizes[a] for a in mesh_lib.BATCH_AXES)
-  b = cfg.batch_size // accum // batch_ways        # sequences per device per micro-step
-  l = cfg.seq_len // shards                        # tokens of each sequence on a device
+  b = cfg.batch_size // accum // batch_ways        # sequences (images) per device per micro-step
+  l = model.length // shards                       # tokens of each sequence on a device
   layers = m.num_layers // stages
   act = _DTYPE_BYTES[m.dtype]
 
@@ -198,40 +193,36 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   # AdamW keeps two moments per parameter in the parameter dtype, and a few replicated scalar counters.
   optimizer_pd = 2 * params_pd + _optimizer_scalar_bytes(cfg.optimizer.to_json(), cfg.steps)
   grads_pd = params_pd * (2 if accum > 1 else 1)   # accumulation keeps a running sum beside each micro-step's
-  local = _local_model(cfg, tensor, sizes["expert"])
+  stack = model.stack(sizes)
 
-  def residuals(model_cfg):
-    r = _layer_residuals(model_cfg, l, fused_attention, shards)
-    split = r.stream - r.stream // tensor if cfg.sharding.sequence_parallel and tensor > 1 else 0
+  def residuals(s):
+    r = _layer_residuals(s, l, fused_attention, shards)
+    split = r.stream - r.stream // tensor if s.sequence_parallel and tensor > 1 else 0
     return dataclasses.replace(r, layer=r.layer - split)  # the residual stream is split over `tensor` as well
 
-  kept = residuals(local)
+  kept = residuals(stack)
   rows = b // micro                                # sequences of one pipeline micro-batch (b without stages)
   runs = iterations * layers // repeats            # layer runs per device and micro-step, fill and drain included
   # The forward loop writes each layer run's residuals into buffers allocated for all runs before it starts (a
   # pipeline keeps every iteration's, [T, P, b/M, ...]), and the backward loop reads them back: live from the
   # first forward to the last backward, with the loop-invariant ones beside them once.
-  stacked = runs * (rows * kept.layer + kept.layer_fixed) + rows * kept.shared + kept.fixed
+  # A task whose batch-independent layer residuals are its weights as the block's matmuls use them (DiT: the
+  # reshaped projections) gets them gathered again for the backward pass under FSDP (the second all-gather per
+  # weight and layer in its collectives), not kept; the LM's are norm scales, kept.
+  layer_fixed = 0 if stack.fixed_are_weights and sizes["fsdp"] > 1 else kept.layer_fixed
+  stacked = runs * (rows * kept.layer + layer_fixed) + rows * kept.shared + kept.fixed
   layer_weights = sum(r.bytes_per_device for r in _layer_rows(gathered)) // layers
   if repeats > 1:
     # The circular schedule picks each iteration's pass of weights with a gather inside the loop: to autodiff
     # those are values of the iteration like any other, kept for every layer run.
     stacked += runs * layer_weights
   # The backward of one layer holds, at its peak, about one layer's residuals again: the slices it reads (XLA
-  # copies those it cannot fuse into their consumers) and the cotangents it writes, the peak being in the MLP,
-  # where the gradients of the gate, up and hidden activations ([b, l, F] each) are live. Under remat it holds
-  # the recomputed forward's residuals (gate and up among them) and, from XLA's buffer assignment at that peak,
-  # six more [b, l, F] arrays: the hidden gradient, sigmoid(gate), the three products of the SwiGLU backward and
-  # a copy its weight-gradient matmul reads (transposed with the sequence split; with the tokens as one axis the
-  # transpose is gone and the compiled peak is one [b, l, F] lower, 0.98 predicted / compiled on data=8 with full
-  # remat, so the constant stays). Either way the layer's weights as it uses
+  # copies those it cannot fuse into their consumers) and the cotangents it writes; under remat, the recomputed
+  # forward's residuals. On top of those, what the task's block holds at that peak beyond its residuals
+  # (`stack.backward_peak`: the LM's MLP gradients, see meshtrain/tasks/lm.py), the layer's weights as it uses
   # them (sliced out of the stacked parameters, gathered under FSDP), and the gradient of the residual stream
   # that the backward loop carries from layer to layer, [b, l, D].
-  if m.remat == "none":
-    backward = rows * (kept.layer + 3 * l * local.mlp_dim * act)
-  else:
-    rematerialized = residuals(dataclasses.replace(local, remat="none"))
-    backward = rows * (rematerialized.layer + 6 * l * local.mlp_dim * act)
+  backward = rows * (residuals(stack.without_remat()).layer + stack.backward_peak(l, act))
   backward += layer_weights + rows * l * m.d_model * act
   pipeline = 0
   if stages > 1:
@@ -246,11 +237,9 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
       stage_weights = layer_weights * passes
       pipeline += passes * rows * kept.layer + stage_weights
       grads_pd += stage_weights
-  # The loss: float32 logits and their exponentials, [b, l, V] each (XLA writes the logits' gradient over the
-  # latter), and that gradient cast to the compute dtype for the head's matmuls unless that is float32; all freed
-  # before the layers' backward.
-  vocab_local = m.vocab_size // tensor if m.vocab_size % tensor == 0 else m.vocab_size
-  logits = b * l * vocab_local * (2 * 4 + (act if act < 4 else 0))
+  # The loss and what runs outside the layer stack (the LM's logits, DiT's final layer): the task's working set,
+  # freed before the layers' backward.
+  loss = model.loss_bytes(b, l, sizes, act)
   # The gradients (zeroed at the start of the step) and the stacked residuals are live throughout; the peak is
   # the larger of the loss and one layer's backward on top of them.
   # Not counted: XLA copies every AdamW moment at the start of the step (its parameter-update fusion recomputes
@@ -259,115 +248,37 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   # freed buffer holds one temporary at a time, so part of it can stay empty: XLA's figure is higher by that
   # (0.1-2 MB on the tiny model's layouts, up to 7% of the total; more where the moments are large next to the
   # activations, 18% with a 32K vocabulary).
-  activations = stacked + pipeline + max(backward, logits)
+  activations = stacked + pipeline + max(backward, loss)
 
-  model_flops = perf.model_flops(cfg, table) * cfg.batch_size * cfg.seq_len / n_dev  # the work splits evenly
-  # Recomputed in the backward pass: full remat the whole forward (2 of the 6 FLOPs per parameter and token, and
-  # a third of the attention); save_dots keeps the projections but recomputes attention's batched dots.
-  attention = perf.model_flops_per_token(m, cfg.seq_len, 0) * cfg.batch_size * cfg.seq_len / n_dev
-  recomputed = {"none": 0.0, "save_dots": attention / 3, "full": model_flops / 3}[m.remat]
+  # The task's FLOPs per example by formula (the MFU numerator); the work splits evenly over the devices.
+  model_flops = model.flops_per_example(table) * cfg.batch_size / n_dev
+  recomputed = model.recomputed_flops_per_example(table) * cfg.batch_size / n_dev
   bubble = (stages - 1) / iterations
   return Estimate(
       sizes=dict(sizes), params_bytes_total=sum(r.size * r.dtype.itemsize for r in table),
       params_bytes_per_device=params_pd, optimizer_bytes_per_device=optimizer_pd,
       gradient_bytes_per_device=grads_pd, activation_bytes_per_device=int(activations),
-      batch_bytes_per_device=2 * (cfg.batch_size // batch_ways) * l * 4,
+      batch_bytes_per_device=(cfg.batch_size // batch_ways) * model.batch_bytes_per_example(l),
       model_flops_per_step=model_flops, flops_per_step=model_flops + recomputed, bubble=bubble,
-      collectives=collectives(cfg, sizes, table, gathered, b, l, act))
+      collectives=model.collectives(sizes, table, gathered, b, l, act))
 
 
 def _layer_rows(rows):
   return [r for r in rows if r.path.startswith("layers/")]
 
 
-def collectives(cfg, sizes, table, gathered, b: int, l: int, act: int) -> list[Collective]:
-  """Collectives per device per step, derived from what each split forces, in the program's own terms.
+class CollectiveList(list):
+  """Collectives per device per step as a task's `collectives` derives them: `add` drops mesh axes of size 1 (and
+  a collective left with none, or run zero times)."""
 
-  One micro-step (x grad_accum_steps) of a model with N layers per device:
-    data / fsdp: each layer's gradients are reduced as the backward pass produces them (one combined
-      reduction per layer, N), plus one for the embedding, head, final norm and loss sums after the loop;
-    fsdp: every weight split over `fsdp` is all-gathered before its forward use and again for its backward use
-      (2 per weight per layer); the gradient reduction is an all-reduce on the CPU, a reduce-scatter on GPUs;
-    tensor: one all-reduce of the [b, l, D] block output after the attention output and after the MLP down
-      projection (2 per layer forward, again under full remat's recompute), and in the backward pass one
-      combined all-reduce of the input gradients of Q/K/V (3 x [b, l, D]) and one of gate/up (2 x [b, l, D]);
-    sequence: gradients summed over the sequence shards (per layer, as for data); ring attention passes K and
-      V around the ring, one permute each of K, V forward and dK, dV backward per ring step;
-    stage: each pipeline iteration hands a [micro-batch, l, D] activation to the next stage, forward and back,
-      and the data-axis gradient reduction runs once per pipeline iteration;
-    expert: two all-to-alls of the dispatched tokens per MoE layer forward (dispatch, combine), two backward.
-  Bytes are the buffer per device per execution (full gathered size for all-gathers), summed over executions.
-  """
-  m = cfg.model
-  accum = cfg.optimizer.grad_accum_steps
-  stages, tensor, shards, experts = sizes["stage"], sizes["tensor"], sizes["sequence"], sizes["expert"]
-  layers = m.num_layers // stages
-  remat_full = m.remat == "full"
-  bld = b * l * m.d_model * act
-  out: list[Collective] = []
+  def __init__(self, sizes: dict):
+    super().__init__()
+    self.sizes = sizes
 
-  def add(kind, axes, count, nbytes):
-    axes = tuple(a for a in mesh_lib.AXES if a in axes and sizes[a] > 1)
+  def add(self, kind: str, axes, count, nbytes) -> None:
+    axes = tuple(a for a in mesh_lib.AXES if a in axes and self.sizes[a] > 1)
     if axes and count:
-      out.append(Collective(kind, axes, int(count), int(nbytes), True))
-
-  fsdp = sizes["fsdp"] > 1
-  micro, repeats, iterations = _pipeline_shape(cfg, stages)
-  runs = iterations * layers // repeats  # times a device runs one of its layers, each on b / micro rows
-  if sizes["data"] > 1 or fsdp:
-    layer_grads = sum(r.bytes_per_device for r in _layer_rows(gathered))
-    # An FSDP-split embedding is looked up slice by slice with every token id gathered, so its gradient needs no
-    # reduction; split gradients need one more for the global-norm partial sums, and the loss sums go separately.
-    other = [r for r in gathered if not r.path.startswith("layers/") and not (fsdp and r.path == "embedding")]
-    if stages == 1:
-      add("all-reduce", ("data", "fsdp"), accum * (layers + 1 + (2 if fsdp else 0)),
-          accum * (layer_grads + sum(r.bytes_per_device for r in other)))
-    else:
-      # Inside the pipeline loop XLA reduces each iteration's layer gradients as they appear, before summing the
-      # iterations: every loop iteration pays a full reduction of the stage's layers (fill and drain included).
-      per_iteration = layers // repeats
-      add("all-reduce", ("data", "fsdp"), accum * (iterations * per_iteration + 2 + (2 if fsdp else 0)),
-          accum * (iterations * layer_grads // repeats + sum(r.bytes_per_device for r in other)))
-  if shards > 1:
-    # Each sequence shard saw different tokens, so every gradient is summed over `sequence` too (XLA keeps it a
-    # separate reduction from the data-axis one).
-    add("all-reduce", ("sequence",), accum * (layers + 1), accum * sum(r.bytes_per_device for r in gathered))
-  if fsdp:
-    split = [g for r, g in zip(table, gathered) if g.path.startswith("layers/") and "fsdp" in str(r.spec)]
-    head = [g for g in gathered if g.path == "head"]
-    # Per layer every split weight is gathered for its forward and again for its backward use; outside the
-    # layers the head once, and the token ids for the embedding lookup.
-    # In a pipeline the layers run once per loop iteration, so their collectives do too.
-    add("all-gather", ("fsdp",), accum * (2 * len(split) * runs + len(head) + 1),
-        accum * (2 * sum(g.bytes_per_device for g in split) * runs // layers + sum(g.bytes_per_device for g in head)
-                 + b * sizes["fsdp"] * l * 4))
-    # The looked-up [b, l, D/fsdp] embeddings are re-split by batch (and their gradient back): two all-to-alls.
-    # (the lookup happens before the cast to the compute dtype, so in the parameter dtype).
-    add("all-to-all", ("fsdp",), accum * 2, accum * 2 * b * l * m.d_model * _DTYPE_BYTES[m.param_dtype])
-  if tensor > 1:
-    forward = 2 * runs * (2 if remat_full else 1)
-    # Outside the layers: the vocabulary-split embedding lookup and head input gradient ([b, l, D] each), the
-    # target logit, max and sum of the vocabulary-split softmax ([b, l] each), the global-norm partial sums.
-    add("all-reduce", ("tensor",), accum * (forward + 2 * runs + 6),
-        accum * ((forward + 5 * runs) * bld // micro + 2 * bld + 3 * b * l * 4))
-  if shards > 1:
-    # Per layer and ring step: K and V forward (again under full remat's recompute), dK and dV backward, one
-    # permute each; the positions travel once per step for all layers (the loop hoists them).
-    kv_one = b * l * (m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads) * m.head_dim * act
-    per_step = (4 + (2 if remat_full else 0)) * layers
-    add("collective-permute", ("sequence",), accum * (shards - 1) * (per_step + 1),
-        accum * (shards - 1) * (per_step * kv_one + b * l * 4))
-  if stages > 1:
-    # Each loop iteration rolls the [S, b/M, l, D] buffer by one stage (one permute forward, two for its
-    # gradient), plus one in and one out of the loop; the stage-replicated buffers' gradients (the M-slot input
-    # store and the M + 1-slot output) are summed over `stage`, twice.
-    slot = bld // micro
-    add("collective-permute", ("stage",), accum * (3 * iterations + 2), accum * (3 * iterations + 2) * slot)
-    add("all-reduce", ("stage",), accum * 2, accum * (2 * micro + 1) * slot)
-  if experts > 1 and m.num_experts:
-    capacity = math.ceil(m.capacity_factor * b * l * m.experts_per_token / m.num_experts) * m.num_experts
-    add("all-to-all", ("expert",), accum * 4 * layers, accum * 4 * layers * capacity * m.d_model * act)
-  return out
+      self.append(Collective(kind, axes, int(count), int(nbytes), True))
 
 
 def link_of(axes, across_nodes: dict) -> str:

@@ -6,9 +6,8 @@ The N devices are simulated CPU devices and no array is allocated: XLA compiles 
 `python -m meshtrain.train` runs, same shardings) from shapes, so a 64-device layout of an 8B model is checked
 on a laptop in under a minute. Reported per device: parameter, optimizer-state, gradient and temporary bytes,
 the total against --hbm, FLOPs per step and every collective (kind, mesh axes, count and bytes per step), each
-next to the analytic expectation of meshtrain/estimate.py and the ratio measured / expected. estimate.py models the
-language model (task=lm) only: for another task (task=dit) the compiled figures and the task's model FLOPs per
-example are reported without an expectation.
+next to the analytic expectation of meshtrain/estimate.py (for any task: the task's cost model says what is
+model-specific) and the ratio measured / expected.
 
 What compiling on the CPU cannot show: GPU kernels (cuDNN fused attention keeps no [L, L] scores, so GPU
 temporaries are lower for long sequences) and GPU collective choices (the CPU backend all-reduces where GPUs
@@ -40,7 +39,7 @@ class Report:
   temp_bytes_per_device: int           # XLA: gradients, activations and scratch during the step
   flops_per_step: float                # per device, every dot in the compiled program x its loop trip count
   collectives: list
-  expected: object                     # estimate.Estimate; None for a task estimate.py does not model (not lm)
+  expected: object                     # estimate.Estimate
   task: str = "lm"
   model_flops_per_example: float = 0.0  # the task's formula (task.flops_per_example): the MFU numerator per example
   batch_size: int = 0
@@ -63,8 +62,6 @@ class Report:
         "task": self.task, "model_flops_per_example": self.model_flops_per_example,
         "model_flops_per_step": self.model_flops_per_example * self.batch_size / self.devices,
     }
-    if e is None:
-      return {**out, "gradient_bytes_per_device": None, "expected": None}
     return {**out, "gradient_bytes_per_device": e.gradient_bytes_per_device, "expected": {
             "params_bytes_per_device": e.params_bytes_per_device,
             "optimizer_bytes_per_device": e.optimizer_bytes_per_device,
@@ -93,8 +90,7 @@ def inspect(cfg) -> Report:
   compile_s = time.perf_counter() - t0
   text = compiled.as_text()
   mem = compiled.memory_analysis()
-  # estimate.py is an analytic model of the language model alone: other tasks get the compiled figures only.
-  expected = estimate.estimate(cfg, dict(mesh.shape)) if cfg.task == "lm" else None
+  expected = estimate.estimate(cfg, dict(mesh.shape))
   batch = layout.batch_abstract(cfg.batch_size)
   return Report(
       devices=mesh.size, mesh={k: v for k, v in mesh.shape.items() if v > 1}, compile_time_s=compile_s,
@@ -116,8 +112,6 @@ def _ratio(measured: float, expected: float) -> str:
 
 
 def format_report(r: Report, hbm_bytes: float) -> str:
-  if r.expected is None:
-    return _format_compiled(r, hbm_bytes)
   e = r.expected
   rows = [("per device", "compiled", "expected", "ratio"),
           ("parameters", _gb(r.params_bytes_per_device), _gb(e.params_bytes_per_device),
@@ -157,29 +151,6 @@ def format_report(r: Report, hbm_bytes: float) -> str:
       crow.append((x.kind, ",".join(x.axes), "0", "0", str(x.count), _gb(x.bytes), "0.00"))
   widths = [max(len(row[i]) for row in crow) for i in range(7)]
   lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in crow]
-  return "\n".join(lines)
-
-
-def _format_compiled(r: Report, hbm_bytes: float) -> str:
-  """The report of a task without an analytic model (estimate.py models the language model only)."""
-  rows = [("parameters", _gb(r.params_bytes_per_device)), ("optimizer state", _gb(r.optimizer_bytes_per_device)),
-          ("batch", _gb(r.batch_bytes_per_device)), ("arguments (+ batch)", _gb(r.argument_bytes_per_device)),
-          ("temporaries", _gb(r.temp_bytes_per_device)), ("total", _gb(r.total_bytes_per_device)),
-          ("FLOPs per step (compiled dots)", f"{r.flops_per_step:.4g}"),
-          ("model FLOPs per step (formula)", f"{r.model_flops_per_example * r.batch_size / r.devices:.4g}")]
-  width = max(len(k) for k, _ in rows)
-  lines = [f"mesh: {' x '.join(f'{k}={v}' for k, v in r.mesh.items()) or 'data=1'} ({r.devices} devices); "
-           f"task={r.task}; {r.params_bytes_total / GB:,.3f} GB of parameters in total; compiled in "
-           f"{r.compile_time_s:.1f} s",
-           f"model FLOPs per example (task formula, forward + backward): {r.model_flops_per_example:,.0f}",
-           f"per device, as compiled (no analytic expectation: meshtrain/estimate.py models task=lm only):"]
-  lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-  spare = hbm_bytes - r.total_bytes_per_device
-  lines.append(f"against {hbm_bytes / GB:g} GB per device: " + (f"fits with {_gb(spare)} to spare" if spare >= 0
-                                                                  else f"short by {_gb(-spare)}"))
-  lines.append("collectives per device per step (compiled):")
-  for c in r.collectives:
-    lines.append(f"  {c.kind:<20} {','.join(c.axes) or '-':<16} {c.count:>5}  {_gb(c.bytes)}")
   return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 
   python -m meshtrain.plan --config configs/llama8b.py --devices 64 --gpu h100 [--gpus-per-node 8] [--json]
 
-Enumerates data, fsdp, tensor, sequence, expert and stage sizes, the rematerialization policy, gradient
+Works for every task (the language model, the DiT): the task's cost model (meshtrain/tasks) says which axes its
+model can be split over and what each split costs. Enumerates data, fsdp, tensor, sequence, expert and stage sizes
+(those the task supports; the others stay 1 and the output says why), the rematerialization policy, gradient
 accumulation and pipeline micro-batches; estimates each layout's memory and step time from shapes alone
 (meshtrain/estimate.py: FLOPs at the GPU's peak plus each collective's bytes over NVLink inside a node or the
 network across nodes); drops layouts that do not fit; prints the ranked table and the config overrides of the
@@ -83,11 +85,13 @@ def _nodes_split(sizes: dict, nodes: int) -> dict | None:
 
 def layouts(cfg, devices: int, nodes: int):
   """Every layout worth estimating for this model on `devices` devices in `nodes` nodes."""
-  from meshtrain import mesh as mesh_lib
-  from meshtrain.tasks import lm
+  from meshtrain import mesh as mesh_lib, tasks
+  model = tasks.cost_model(cfg)
   m = cfg.model
   per_node = devices // nodes
-  axes = [a for a in mesh_lib.AXES if a != "expert" or m.num_experts]
+  # Axes the task cannot split (model.unsupported_axes, reported by main) and, without experts, `expert` stay 1.
+  axes = [a for a in mesh_lib.AXES
+          if a not in model.unsupported_axes and (a != "expert" or model.num_experts)]
   for combo in _factorizations(devices, len(axes)):
     sizes = {a: 1 for a in mesh_lib.AXES} | dict(zip(axes, combo))
     stage, tensor = sizes["stage"], sizes["tensor"]
@@ -96,14 +100,14 @@ def layouts(cfg, devices: int, nodes: int):
     if m.num_heads % tensor or m.mlp_dim % tensor:
       continue                                    # the weights would not split evenly
     try:  # the combinations the model cannot run, from the one place that refuses them
-      lm.check_parallelism(cfg, sizes, microbatches=stage)  # (micro-batches below are multiples of the stages)
+      model.check_parallelism(sizes, microbatches=stage)  # (micro-batches below are multiples of the stages)
     except UserError:
       continue
     across = _nodes_split(sizes, nodes)
     if across is None:
       continue
     batch_ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    for remat in REMATS:
+    for remat in (r for r in REMATS if r in model.remat_policies):
       for accum in (1, 2, 4, 8, 16, 32):
         if cfg.batch_size % (accum * batch_ways):
           break
@@ -119,8 +123,9 @@ class Row:
   layout: Layout
   estimate: object   # estimate.Estimate
   time: object       # estimate.StepTime
-  tokens_per_sec_per_device: float
+  units_per_sec_per_device: float   # the task's throughput unit: tokens (LM), images (DiT)
   mfu: float
+  throughput_key: str               # the task's: tokens_per_sec | images_per_sec
 
   def to_json(self) -> dict:
     e, t = self.estimate, self.time
@@ -133,7 +138,7 @@ class Row:
             "activation_bytes_per_device": e.activation_bytes_per_device,
             "step_time_s": t.total_s, "compute_s": t.compute_s, "overlapped_comm_s": t.overlapped_s,
             "exposed_comm_s": t.exposed_s, "network_s": t.network_s, "mfu": self.mfu,
-            "tokens_per_sec_per_device": self.tokens_per_sec_per_device}
+            f"{self.throughput_key}_per_device": self.units_per_sec_per_device}
 
 
 def hardware(name: str, mesh, dtype: str) -> perf.Gpu:
@@ -147,10 +152,9 @@ def hardware(name: str, mesh, dtype: str) -> perf.Gpu:
 
 def target_attention(cfg, gpu: str) -> str:
   """The attention the model runs on `gpu` (a GPUS name or "cpu"), decided as the layout decides it there."""
-  from meshtrain.models import attention  # imports jax: only after runtime.start
-  m = cfg.model
+  from meshtrain import tasks  # the task modules import jax: only after runtime.start
   platform, capability = ("cpu", None) if gpu == "cpu" else ("gpu", perf.GPUS[gpu].compute_capability)
-  return attention.resolve(m.attention, platform, m.dtype, m.head_dim, m.num_heads, m.num_kv_heads, capability)
+  return tasks.cost_model(cfg).attention_on(platform, capability)
 
 
 def measure_cpu_allreduce_bw(mesh, size: int = 1 << 22, repeats: int = 5) -> float:
@@ -174,8 +178,9 @@ def measure_cpu_allreduce_bw(mesh, size: int = 1 << 22, repeats: int = 5) -> flo
 def rank(cfg, devices: int, nodes: int, hw: perf.Gpu, hbm: float, fused_attention: bool,
          overlap: bool = True) -> tuple[list[Row], int]:
   """(every fitting layout best first, how many layouts were estimated)."""
-  from meshtrain import estimate
-  boxed = estimate.abstract_params(cfg)
+  from meshtrain import estimate, tasks
+  model = tasks.cost_model(cfg)
+  boxed = model.abstract_params()
   peak = hw.peaks[cfg.model.dtype]
   rows, seen = [], 0
   for lay in layouts(cfg, devices, nodes):
@@ -188,8 +193,8 @@ def rank(cfg, devices: int, nodes: int, hw: perf.Gpu, hbm: float, fused_attentio
     if est.total_bytes_per_device > hbm:
       continue
     t = estimate.step_time(est, est.collectives, peak, hw.node_bw, hw.network_bw, dict(lay.across), overlap)
-    tokens = cfg.batch_size * cfg.seq_len / devices / t.total_s
-    rows.append(Row(lay, est, t, tokens, est.model_flops_per_step / t.total_s / peak))
+    units = cfg.batch_size * model.units_per_example / devices / t.total_s
+    rows.append(Row(lay, est, t, units, est.model_flops_per_step / t.total_s / peak, model.throughput_key))
   rows.sort(key=lambda r: (r.time.total_s, r.estimate.flops_per_step, r.estimate.total_bytes_per_device))
   return rows, seen
 
@@ -270,16 +275,21 @@ def verify(cfg, rows: list[Row], k: int, hw: perf.Gpu, hbm: float, overlap: bool
   return sorted(out, key=lambda v: (not v.fits, v.time.total_s, v.row.estimate.flops_per_step))
 
 
+# Column heads of the throughput units (the task's throughput_key without "_per_sec").
+_UNIT_HEADS = {"tokens": "tok/s/dev", "images": "img/s/dev"}
+
+
 def format_rows(rows: list[Row], top: int) -> str:
+  unit = rows[0].throughput_key.removesuffix("_per_sec")  # one task's rows (main refuses an empty ranking)
   head = ("#", "layout", "nodes", "remat", "accum", "micro", "GB/dev", "compute s", "dp/fsdp s", "exposed s",
-          "network s", "step s", "MFU", "tok/s/dev")
+          "network s", "step s", "MFU", _UNIT_HEADS.get(unit, f"{unit}/s/dev"))
   lines = [head]
   for i, r in enumerate(rows[:top], 1):
     t, lay = r.time, r.layout
     across = ",".join(f"{a}={n}" for a, n in lay.across if n > 1) or "-"
     lines.append((str(i), lay.name(), across, lay.remat, str(lay.grad_accum), str(lay.microbatches),
                   f"{r.estimate.total_bytes_per_device / GB:.3g}", f"{t.compute_s:.4g}", f"{t.overlapped_s:.4g}",
-                  f"{t.exposed_s:.4g}", f"{t.network_s:.4g}", f"{t.total_s:.4g}", f"{r.mfu:.1%}", f"{r.tokens_per_sec_per_device:,.0f}"))
+                  f"{t.exposed_s:.4g}", f"{t.network_s:.4g}", f"{t.total_s:.4g}", f"{r.mfu:.1%}", f"{r.units_per_sec_per_device:,.0f}"))
   widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
   return "\n".join("  ".join(c.ljust(w) if i in (1, 2, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
                    for line in lines)
@@ -319,14 +329,11 @@ def main(argv: list[str] | None = None) -> int:
       raise UserError(f"--top must be >= 1 (rows to print) and --verify >= 0 (layouts to compile; 0: none); got "
                       f"--top {args.top} --verify {args.verify}")
     cfg = config_lib.load(args.config, [*overrides, f"--config.cpu_devices={args.devices}"])
-    if cfg.task != "lm":
-      raise UserError(f"plan ranks layouts with an analytic model of the language model (meshtrain/estimate.py) and "
-                      f"has none for task={cfg.task} yet; compile a layout instead: python -m meshtrain.inspect "
-                      f"--config {args.config} --devices {args.devices} [--config.mesh.*=...]")
     os.environ["JAX_PLATFORMS"] = "cpu"  # shapes and simulated devices only, whatever this machine has
     from meshtrain import runtime
     runtime.start(cfg)
-    from meshtrain import mesh as mesh_lib
+    from meshtrain import mesh as mesh_lib, tasks
+    unsupported = tasks.cost_model(cfg).unsupported_axes
     hw = hardware(args.gpu, mesh_lib.make_mesh({"data": -1}), cfg.model.dtype)
     hw = dataclasses.replace(hw, node_bw=args.node_bw * GB or hw.node_bw, network_bw=args.network_bw * GB or hw.network_bw)
     hbm = args.hbm * GB or hw.hbm_bytes
@@ -338,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
       # the same function; the estimate then leaves the [L, L] scores out when fused.
       cfg.model.attention = "xla"
     rows, seen = rank(cfg, args.devices, args.nodes, hw, hbm, fused, overlap=not args.no_overlap)
+    if not seen:
+      raise UserError(f"no layout of this model splits evenly over {args.devices} devices: batch_size="
+                      f"{cfg.batch_size} must divide over the batch axes, model.num_heads={cfg.model.num_heads} and "
+                      f"model.mlp_dim={cfg.model.mlp_dim} over tensor; plan for a device count that divides them")
     if not rows:
       raise UserError(f"none of the {seen} layouts of this model fits in {hbm / GB:g} GB per device on "
                       f"{args.devices} devices; use more devices, a smaller batch_size or seq_len")
@@ -348,14 +359,17 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   best = checked[0].row if checked and checked[0].fits else rows[0]
   if args.json:
-    print(json.dumps({"gpu": hw.name, "devices": args.devices, "nodes": args.nodes, "nodes_from": nodes_from, "hbm_bytes": hbm,
-                      "layouts_considered": seen, "fits": len(rows), "best": best.to_json(),
+    print(json.dumps({"gpu": hw.name, "devices": args.devices, "nodes": args.nodes, "nodes_from": nodes_from,
+                      "hbm_bytes": hbm, "layouts_considered": seen, "fits": len(rows), "unsupported_axes": unsupported,
+                      "best": best.to_json(),
                       "ranked": [r.to_json() for r in rows], "verified": [v.to_json() for v in checked]}))
     return 0
   print(f"{cfg.model.get('preset', 'model')}: {seen} layouts considered on {args.devices} x {hw.name} "
         f"({args.nodes} node(s) of {args.devices // args.nodes} ({nodes_from}), {hbm / GB:g} GB each); {len(rows)} "
         "fit. Predicted with kernels at peak, "
         + ("every collective in sequence:" if args.no_overlap else "data/fsdp traffic hidden behind compute:"))
+  if unsupported:
+    print(f"not split (task={cfg.task}): " + "; ".join(f"{a}: {why}" for a, why in unsupported.items()))
   print(format_rows(rows, args.top))
   if checked:
     print(f"\n{len(checked)} of the best compiled for {args.devices} simulated devices (step time redone with the "

@@ -181,3 +181,24 @@ def test_plan_picks_fsdp_when_data_parallel_does_not_fit():
   rows = _best("configs/llama8b.py", 8, "h100", "--config.batch_size=256", "--config.seq_len=2048")
   assert all(dict(r.layout.sizes)["data"] < 8 for r in rows)   # pure data parallelism never fits
   assert dict(rows[0].layout.sizes)["fsdp"] > 1
+
+
+def test_scan_groups_counts_consts_and_carry_from_a_known_scan():
+  # estimate reads the backward layer loop's inputs as (consts, carry, xs); JAX 0.10 stored those counts as
+  # num_consts/num_carry params, JAX 0.11+ does not, so estimate derives them from the scan's shapes. A scan with
+  # 2 closed-over constants, 2 carries (one shaped like an x slice) and 2 xs, and ys; on JAX 0.10 also the params.
+  import jax
+  import jax.numpy as jnp
+
+  def f(a, b, c, d, xs, zs):
+    def body(carry, x):
+      c, d = carry
+      x, z = x
+      return (jnp.tanh(c * a + b.sum() + x), d + z.sum()), c * 2
+    return jax.lax.scan(body, (c, d), (xs, zs))
+
+  args = (jnp.ones(3), jnp.ones((2, 3)), jnp.ones(3), jnp.ones(()), jnp.ones((5, 3)), jnp.ones((5, 4, 3)))
+  (eqn,) = [e for e in jax.make_jaxpr(f)(*args).jaxpr.eqns if e.primitive.name == "scan"]
+  assert estimate._scan_groups(eqn) == (2, 2)
+  if "num_consts" in eqn.params:
+    assert (eqn.params["num_consts"], eqn.params["num_carry"]) == (2, 2)

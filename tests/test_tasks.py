@@ -1,8 +1,6 @@
 """The task interface: the language model as a task compiles exactly the program it compiled before tasks existed,
 and config validation per task (task=lm, task=dit) says what to fix."""
 import functools
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -172,33 +170,3 @@ def test_batch_memory_check_counts_images_for_dit():
     config_lib.check_batch_memory(cfg, processes=1, memory=1024 * row - 1)
   cfg.seq_len = 10**9  # the LM's formula would refuse this; images do not have a length
   config_lib.check_batch_memory(cfg, processes=1, memory=1024 * row)
-
-
-def test_plan_refuses_a_task_it_has_no_model_for(tmp_path):
-  from meshtrain.models import presets
-  if not hasattr(presets, "dit_model_config"):
-    pytest.skip("needs the dit branch (presets.dit_model_config)")
-  path = tmp_path / "dit.py"
-  path.write_text("from meshtrain.config import base_config\nfrom meshtrain.models import presets\n\n"
-                  "def get_config():\n  c = base_config()\n  c.task = 'dit'\n"
-                  "  c.model = presets.dit_model_config('digits')\n  return c\n")
-  proc = subprocess.run([sys.executable, "-m", "meshtrain.plan", "--config", str(path), "--devices", "8", "--gpu",
-                         "h100"], capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 2 and "has none for task=dit yet" in proc.stderr
-  assert len(proc.stderr.strip().splitlines()) == 1
-
-
-def test_inspect_reports_a_task_without_an_analytic_model_as_compiled():
-  from meshtrain import hlo, inspect
-  report = inspect.Report(devices=8, mesh={"data": 8}, compile_time_s=1.0, params_bytes_total=4_000_000,
-                          params_bytes_per_device=4_000_000, optimizer_bytes_per_device=8_000_000,
-                          batch_bytes_per_device=4096, argument_bytes_per_device=12_004_096,
-                          temp_bytes_per_device=3_000_000, flops_per_step=2.5e9,
-                          collectives=[hlo.Collective("all-reduce", ("data",), 3, 4_000_000, True)], expected=None,
-                          task="dit", model_flops_per_example=1.5e8, batch_size=64)
-  text = inspect.format_report(report, 80e9)
-  assert "task=dit" in text and "no analytic expectation" in text and "150,000,000" in text
-  assert "model FLOPs per step (formula)  1.2e+09" in text  # 1.5e8 x 64 images / 8 devices
-  as_json = report.to_json(80e9)
-  assert as_json["expected"] is None and as_json["model_flops_per_step"] == 1.5e8 * 64 / 8
-  assert as_json["total_bytes_per_device"] == 15_004_096 and as_json["fits"]

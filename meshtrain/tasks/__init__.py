@@ -39,6 +39,26 @@ Contract (each task module defines a class with these members, built by `build(c
       Model FLOPs of one training example (forward and backward, matmuls and attention, by formula): the MFU
       numerator, shared by the loop, bench, inspect and plan.
 
+The cost model (`cost_model(cfg)`: a class `CostModel` in the task module, built from the config alone, no mesh or
+devices) is what meshtrain/estimate.py needs for inspect's expectation and plan's ranking; estimate does the
+arithmetic every task shares (parameter, optimizer and gradient bytes under the rules; JAX's residuals of the block
+stack, per layer run; the peak; step time) and asks the task for the rest:
+  throughput_key, units_per_example, length   as the task's; length: tokens of one example (LM: seq_len, DiT: patches)
+  unsupported_axes: dict[str, str]            mesh axes the model cannot be split over, and why (plan leaves them
+                                              at 1 and prints the reasons); num_experts: 0 leaves `expert` at 1
+  check_parallelism(sizes, microbatches)      the task's layout refusals (UserError), as the task itself applies them
+  attention_on(platform, capability) -> str   the attention kernel the model runs there ("cudnn": fused, no scores)
+  abstract_params()                           the boxed parameter shapes with logical axes (jax.eval_shape of init)
+  flops_per_example(table), recomputed_flops_per_example(table)   the MFU numerator, and what remat adds
+  batch_bytes_per_example(length)             one row of the batch, with `length` of its tokens on a device
+  stack(sizes) -> hashable LayerStack          the block stack as one device runs it: width, dims, sequence_parallel,
+                                              without_remat(), backward_peak(l, act) (bytes per example the block's
+                                              backward holds beyond its residuals), gradient_jaxpr(batch, L, shards)
+                                              (the gradient of a two-layer nn.scan of the block, for the residuals)
+  loss_bytes(b, l, sizes, act)                the working set of the loss and what runs outside the stack
+  collectives(sizes, table, gathered, b, l, act) -> list[hlo.Collective]   per device per step, what each split
+                                              forces in the task's blocks (estimate.CollectiveList builds it)
+
 Details the core relies on (meshtrain/layout.py, meshtrain/hooks.py):
   - `eval_extra(None)` has the structure and shapes of the real extra: it is the eval step's compile-time template.
     The loop hands `eval_record` the summed eval_sums as fetched (numpy float32 scalars), so a division there keeps
@@ -62,3 +82,12 @@ def build(cfg, mesh, platform: str | None = None):
     return dit.DitTask(cfg, mesh, platform)
   from meshtrain.tasks import lm  # pylint: disable=g-import-not-at-top
   return lm.LmTask(cfg, mesh, platform)
+
+
+def cost_model(cfg):
+  """The analytic side of `cfg.task` for meshtrain/estimate.py (see the contract above): no mesh, no devices."""
+  if cfg.task == "dit":
+    from meshtrain.tasks import dit  # pylint: disable=g-import-not-at-top
+    return dit.CostModel(cfg)
+  from meshtrain.tasks import lm  # pylint: disable=g-import-not-at-top
+  return lm.CostModel(cfg)

@@ -23,9 +23,13 @@ or process count. Label dropout: with probability model.class_dropout the row's 
 Sampling (`sample`): Euler steps from t = 1 to 0 along v = v_null + g (v_cond - v_null); g = 1 is the
 conditional model alone, g = 0 the unconditional one, g > 1 trades diversity for class fidelity.
 """
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 
+from meshtrain import config as config_lib
 from meshtrain.errors import UserError
 from meshtrain.models.dit import FREQUENCIES, MOD_BLOCK, MOD_FINAL, DiT, DiTConfig
 
@@ -97,11 +101,39 @@ def flops_per_image(c: DiTConfig) -> float:
     final: adaLN 2 D 2D (per image), linear 2 T D X
   Lookups (class embedding), norms, biases and elementwise work are not counted, as for the language model.
   """
-  T, X, D, F, Q = c.tokens, c.patch_dim, c.d_model, c.mlp_dim, FREQUENCIES
-  block = 2 * D * MOD_BLOCK * D + 2 * T * 4 * D * D + 4 * T * T * D + 2 * T * 2 * D * F
-  forward = (2 * T * X * D + 2 * (Q * D + D * D) + c.num_layers * block
+  T, X, D, Q = c.tokens, c.patch_dim, c.d_model, FREQUENCIES
+  forward = (2 * T * X * D + 2 * (Q * D + D * D) + c.num_layers * block_flops(c)
              + 2 * D * MOD_FINAL * D + 2 * T * D * X)
   return 3.0 * forward
+
+
+def block_flops(c: DiTConfig) -> float:
+  """Forward FLOPs of one block and image (see flops_per_image): what full remat computes again per block."""
+  T, D, F = c.tokens, c.d_model, c.mlp_dim
+  return 2 * D * MOD_BLOCK * D + 2 * T * 4 * D * D + 4 * T * T * D + 2 * T * 2 * D * F
+
+
+def batch_spec(c: DiTConfig, batch_size: int) -> dict:
+  """Global shape and dtype of one batch's arrays (the contract's `batch_spec`)."""
+  return {"images": jax.ShapeDtypeStruct((batch_size, c.image_size, c.image_size, c.channels), jnp.float32),
+          "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+          "seeds": jax.ShapeDtypeStruct((batch_size,), jnp.uint32)}
+
+
+# Mesh axes a DiT cannot be split over, and why: plan leaves them at 1 and says so, the layout refuses them.
+UNSUPPORTED_AXES = {
+    "sequence": "a DiT attends over all of an image's patches at once and has no sequence-split attention",
+    "stage": "pipeline stages are not supported for DiT: its blocks also take the per-image condition, which the "
+             "pipeline does not carry",
+}
+
+
+def check_parallelism(sizes: dict) -> None:
+  """Refuses (UserError) a mesh that splits an axis of UNSUPPORTED_AXES; the layout and plan both ask here."""
+  for axis, reason in UNSUPPORTED_AXES.items():
+    if sizes.get(axis, 1) > 1:
+      raise UserError(f"mesh.{axis}={sizes[axis]}: {reason}; set mesh.{axis}=1 and put the devices on mesh.data, "
+                      "mesh.fsdp or mesh.tensor")
 
 
 class DitTask:
@@ -115,28 +147,13 @@ class DitTask:
 
   def __init__(self, cfg, mesh, platform: str | None = None):
     del platform  # one attention implementation (plain einsums over T ~ 16 tokens) on every platform
-    shape = dict(mesh.shape)
-    if shape.get("sequence", 1) > 1:
-      raise UserError(f"mesh.sequence={shape['sequence']} splits the token sequence over devices, but a DiT "
-                      f"attends over an image's {self._tokens(cfg)} patches at once and has no sequence-split "
-                      "attention; set mesh.sequence=1 and put the devices on mesh.data or mesh.fsdp")
-    if shape.get("stage", 1) > 1:
-      raise UserError(f"mesh.stage={shape['stage']}: pipeline stages are not supported for DiT (its blocks also "
-                      "take the per-image condition, which the pipeline does not carry); set mesh.stage=1 and use "
-                      "mesh.data, mesh.fsdp or mesh.tensor")
+    check_parallelism(dict(mesh.shape))
     self.cfg = cfg
     self.model_cfg = DiTConfig.from_config(cfg.model)
     self.model = DiT(self.model_cfg)
 
-  @staticmethod
-  def _tokens(cfg) -> int:
-    return (cfg.model.image_size // cfg.model.patch_size) ** 2
-
   def batch_spec(self, batch_size: int) -> dict:
-    c = self.model_cfg
-    return {"images": jax.ShapeDtypeStruct((batch_size, c.image_size, c.image_size, c.channels), jnp.float32),
-            "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
-            "seeds": jax.ShapeDtypeStruct((batch_size,), jnp.uint32)}
+    return batch_spec(self.model_cfg, batch_size)
 
   def batch_axes(self) -> dict:
     return {"images": ("act_batch", None, None, None), "labels": ("act_batch",), "seeds": ("act_batch",)}
@@ -185,3 +202,167 @@ class DitTask:
     """`sample` with this task's model."""
     return sample(self.model, params, labels_N, noise_NHWC, steps, guidance)
 
+
+@dataclasses.dataclass(frozen=True)
+class _LocalConfig(DiTConfig):
+  """A DiTConfig whose head width is given, not d_model / num_heads: one device of a tensor split holds
+  num_heads / tensor heads of the full width (and mlp_dim / tensor of the MLP)."""
+  local_head_dim: int = 0
+
+  @property
+  def head_dim(self) -> int:
+    return self.local_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+  """DiT's block stack as one device runs it (`CostModel.stack`): what estimate._layer_residuals traces. Hashable,
+  so traces are cached per local shape."""
+  model: DiTConfig
+  # The residual stream is named act_len, not act_res_len: sharding.sequence_parallel does not split it.
+  sequence_parallel: bool = False
+  # Its per-layer batch-independent residuals are the q/k/v/o weights as `dense` reshapes them: under FSDP XLA
+  # gathers them again for the backward pass instead of keeping them (buffer assignment of fsdp=8).
+  fixed_are_weights: bool = True
+
+  @property
+  def width(self) -> int:
+    return self.model.d_model
+
+  @property
+  def dims(self) -> tuple[int, ...]:
+    """Every other dimension of the block's values (the trace's batch must divide none of them)."""
+    m = self.model
+    return (m.num_heads, m.head_dim, m.mlp_dim, MOD_BLOCK)
+
+  def without_remat(self) -> "LayerStack":
+    return dataclasses.replace(self, model=dataclasses.replace(self.model, remat="none"))
+
+  def backward_peak(self, length: int, act: int) -> int:
+    """Bytes per image one block's backward holds at its peak beyond the residuals it reads: none beyond the
+    generic working set (one layer's residuals again, its weights, the carried gradient). Measured on the
+    5-block digits model (a loop): compiled / predicted 0.97 (fsdp=8) to 1.05 (data=8, where the unmodelled AdamW
+    moment copies are largest); any per-image constant here would push the FSDP layouts further below."""
+    del length, act
+    return 0
+
+  def gradient_jaxpr(self, batch: int, length: int, shards: int):
+    """The gradient of a two-layer `nn.scan` of the (remat-wrapped) block on x [batch, T, D] and the per-image
+    condition c [batch, D], broadcast to every layer as the model's scan does."""
+    del shards  # check_parallelism refuses a split sequence
+    import flax.linen as nn
+    from meshtrain.models.dit import Block
+    c = self.model
+    block = Block if c.remat == "none" else nn.remat(Block, prevent_cse=False)
+    stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
+                    length=2, metadata_params={nn.PARTITION_NAME: "layers"})(c)
+    dtype = jnp.dtype(c.dtype)
+    params = jax.eval_shape(lambda: nn.meta.unbox(stack.init(jax.random.key(0), jnp.zeros((1, length, c.d_model), dtype),
+                                                             jnp.zeros((1, c.d_model), dtype))["params"]))
+    loss = lambda p, x, cond: stack.apply({"params": p}, x, cond)[0].astype(jnp.float32).sum()
+    return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(
+        params, jax.ShapeDtypeStruct((batch, length, c.d_model), dtype), jax.ShapeDtypeStruct((batch, c.d_model), dtype))
+
+
+class CostModel:
+  """What meshtrain/estimate.py needs of the DiT, from the config alone (no mesh, no devices): the contract's
+  `cost_model` (meshtrain/tasks/__init__.py)."""
+  throughput_key = DitTask.throughput_key
+  units_per_example = DitTask.units_per_example
+  unsupported_axes = UNSUPPORTED_AXES
+  num_experts = 0
+  remat_policies = config_lib.DIT_REMAT_POLICIES
+
+  def __init__(self, cfg):
+    self.cfg = cfg
+    self.model_cfg = DiTConfig.from_config(cfg.model)
+    self.length = self.model_cfg.tokens    # an image's patches are its sequence
+
+  def check_parallelism(self, sizes: dict, microbatches: int | None = None) -> None:
+    del microbatches  # no pipeline
+    check_parallelism(sizes)
+
+  def attention_on(self, platform: str, capability: str | None) -> str:
+    """One implementation everywhere: plain einsums, which keep the [T, T] scores (T is small)."""
+    del platform, capability
+    return "einsum"
+
+  def abstract_params(self):
+    c = self.model_cfg
+    x = jax.ShapeDtypeStruct((1, c.image_size, c.image_size, c.channels), jnp.float32)
+    t, y = jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    return jax.eval_shape(DiT(c).init, jax.random.key(0), x, t, y)["params"]
+
+  def flops_per_example(self, table) -> float:
+    del table
+    return flops_per_image(self.model_cfg)
+
+  def recomputed_flops_per_example(self, table) -> float:
+    """Full remat wraps the blocks alone: their forward runs again in the backward pass."""
+    del table
+    c = self.model_cfg
+    return float(c.num_layers * block_flops(c)) if c.remat == "full" else 0.0
+
+  def batch_bytes_per_example(self, length: int) -> int:
+    del length  # an image is never split
+    return sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in batch_spec(self.model_cfg, 1).values())
+
+  def stack(self, sizes: dict) -> LayerStack:
+    """The blocks as one device of the tensor split computes them: its share of the heads and of the MLP."""
+    c, tensor = self.model_cfg, sizes["tensor"]
+    fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(DiTConfig)}
+    return LayerStack(_LocalConfig(**{**fields, "num_heads": c.num_heads // tensor, "mlp_dim": c.mlp_dim // tensor},
+                                   local_head_dim=c.head_dim))
+
+  def loss_bytes(self, b: int, l: int, sizes: dict, act: int) -> int:
+    """The final layer and the loss: the final adaLN's normalised and modulated tokens ([b, l, D] each), and in
+    float32 the predicted velocity, its target and their difference ([b, H, W, C] each). Always below one block's
+    backward (whose residuals alone are ~39 [l, D] arrays per image), so it never sets the peak; kept for the rule."""
+    c = self.model_cfg
+    return b * (2 * l * c.d_model * act + 3 * c.image_size * c.image_size * c.channels * 4)
+
+  def collectives(self, sizes, table, gathered, b: int, l: int, act: int) -> list:
+    """Collectives per device per step, derived from what each split forces in DiT's blocks.
+
+    One micro-step (x grad_accum_steps) of N blocks, b images of l tokens per device, [b, l, D] = bld bytes:
+      data: each block's gradients reduced as the backward loop produces them (N), the rest in one reduction
+        after the loop (patch embedding, time MLP, class table, final layer, loss sums);
+      fsdp: every split block weight (adaLN modulation, q, k, v, o, MLP up and down) all-gathered for its forward
+        and again for its backward use (2 per weight per block); outside the blocks every split weight once,
+        except the time MLP's first layer: XLA runs that layer column-split over the fsdp group's whole batch,
+        gathering the timestep features [b x fsdp, Q] and the hidden layer [b x fsdp, D] instead; so the time
+        MLP's output weight's gradient is whole on each device and needs no reduction. Gradients: one reduction
+        per block, one per other split gradient (XLA does not combine them) and one for the unsplit ones; five
+        all-to-alls of the per-image condition [b, D] between the time MLP's column split and the batch split
+        (forward and gradients);
+      tensor: the adaLN modulation is not split (its outputs act on the whole residual stream), so per block one
+        all-reduce of [b, l, D] after the attention output and after the MLP down projection (again under full
+        remat's recompute), and in the backward pass one of the combined Q/K/V input gradients (3 x [b, l, D])
+        and one of the MLP-up input gradient; one more for the global-norm partial sums.
+    Bytes are the buffer per device per execution (full gathered size for all-gathers), summed over executions.
+    """
+    from meshtrain.estimate import CollectiveList, _layer_rows
+    c, accum = self.model_cfg, self.cfg.optimizer.grad_accum_steps
+    layers, tensor, fsdp = c.num_layers, sizes["tensor"], sizes["fsdp"]
+    bld = b * l * c.d_model * act
+    out = CollectiveList(sizes)
+    add = out.add
+    split = {r.path for r in table if "fsdp" in str(r.spec)}
+    time_in = {"time_in", "time_in_bias"}  # never gathered: the time MLP's first layer runs column-split
+    if sizes["data"] > 1 or fsdp > 1:
+      layer_grads = sum(r.bytes_per_device for r in _layer_rows(gathered))
+      other = [r for r in gathered if not r.path.startswith("layers/") and not (fsdp > 1 and r.path == "time_out")]
+      reductions = 1 + (len([r for r in other if r.path in split]) if fsdp > 1 else 0)
+      add("all-reduce", ("data", "fsdp"), accum * (layers + reductions),
+          accum * (layer_grads + sum(r.bytes_per_device for r in other)))
+    if fsdp > 1:
+      in_layers = [g for g in _layer_rows(gathered) if g.path in split]
+      outside = [g for g in gathered if not g.path.startswith("layers/") and g.path in split and g.path not in time_in]
+      add("all-gather", ("fsdp",), accum * (2 * len(in_layers) * layers + len(outside) + 2),
+          accum * (2 * sum(g.bytes_per_device for g in in_layers) + sum(g.bytes_per_device for g in outside)
+                   + b * fsdp * (FREQUENCIES + c.d_model) * act))
+      add("all-to-all", ("fsdp",), accum * 5, accum * 5 * b * c.d_model * act)
+    if tensor > 1:
+      forward = 2 * layers * (2 if c.remat == "full" else 1)
+      add("all-reduce", ("tensor",), accum * (forward + 2 * layers + 1), accum * (forward + 4 * layers) * bld)
+    return out

@@ -159,5 +159,209 @@ class LmTask:
             + (f", {record['eval_bits_per_byte']:.3f} bits/byte" if "eval_bits_per_byte" in record else ""))
 
   def flops_per_example(self, table) -> float:
-    """Model FLOPs of one sequence: perf.model_flops (per token: 6 x matmul parameters + causal attention) x seq_len."""
-    return perf.model_flops(self.cfg, table) * self.cfg.seq_len
+    return flops_per_sequence(self.cfg, table)
+
+
+def flops_per_sequence(cfg, table) -> float:
+  """Model FLOPs of one sequence: perf.model_flops (per token: 6 x matmul parameters + causal attention) x seq_len."""
+  return perf.model_flops(cfg, table) * cfg.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+  """The LM's block stack as one device runs it (`CostModel.stack`): what estimate._layer_residuals traces.
+  Hashable, so traces are cached per local shape."""
+  model: ModelConfig            # heads, kv heads, MLP width and experts as one device of the split holds them
+  sequence_parallel: bool       # the residual stream is split over `tensor` too (Megatron sequence parallelism)
+  # Its per-layer batch-independent residuals are norm scales, which XLA keeps under FSDP too.
+  fixed_are_weights: bool = False
+
+  @property
+  def width(self) -> int:
+    return self.model.d_model
+
+  @property
+  def dims(self) -> tuple[int, ...]:
+    """Every other dimension of the block's values (the trace's batch must divide none of them)."""
+    m = self.model
+    return (m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, max(m.num_experts, 1))
+
+  def without_remat(self) -> "LayerStack":
+    return dataclasses.replace(self, model=dataclasses.replace(self.model, remat="none"))
+
+  def backward_peak(self, length: int, act: int) -> int:
+    """Bytes per sequence one layer's backward holds at its peak beyond the residuals it reads: the peak is in the
+    MLP, where the gradients of the gate, up and hidden activations ([l, F] each) are live. Under remat, from XLA's
+    buffer assignment at that peak, six [l, F] arrays beside the recomputed forward's residuals: the hidden
+    gradient, sigmoid(gate), the three products of the SwiGLU backward and a copy its weight-gradient matmul reads
+    (transposed with the sequence split; with the tokens as one axis the transpose is gone and the compiled peak is
+    one [l, F] lower, 0.98 predicted / compiled on data=8 with full remat, so the constant stays)."""
+    return (3 if self.model.remat == "none" else 6) * length * self.model.mlp_dim * act
+
+  def gradient_jaxpr(self, batch: int, length: int, shards: int):
+    """The gradient of a two-layer `nn.scan` of the (remat-wrapped) block on [batch, length, D], with the sequence
+    split over `shards` devices traced through meshtrain's ring attention on an abstract mesh."""
+    import flax.linen as nn
+    from meshtrain import mesh as mesh_lib, sharding
+    from meshtrain.estimate import _abstract_mesh
+    from meshtrain.models.llama import REMAT_POLICIES, Block
+    model_cfg = self.model
+    block = Block if model_cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[model_cfg.remat],
+                                                              prevent_cse=False)
+    stack = nn.scan(block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
+                    length=2, metadata_params={nn.PARTITION_NAME: "layers"})(model_cfg)
+    L, D, dtype = length, model_cfg.d_model, jnp.dtype(model_cfg.dtype)
+    sizes = {a: 1 for a in mesh_lib.AXES} | {"sequence": shards}
+    mesh = _abstract_mesh(sizes)
+    # The parameters' shapes do not depend on the split sequence: taken outside the mesh (no ring to trace).
+    params = jax.eval_shape(lambda: nn.meta.unbox(stack.init(jax.random.key(0), jnp.zeros((1, L, D), dtype),
+                                                             jnp.arange(L))["params"]))
+    loss = lambda p, x: stack.apply({"params": p}, x, jnp.arange(L))[0].astype(jnp.float32).sum()
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.for_mesh(sharding.rules_for("dp"), mesh)):
+      return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jax.ShapeDtypeStruct((batch, L, D), dtype))
+
+
+class CostModel:
+  """What meshtrain/estimate.py needs of the language model, from the config alone (no mesh, no devices): the
+  contract's `cost_model` (meshtrain/tasks/__init__.py)."""
+  throughput_key = LmTask.throughput_key
+  unsupported_axes: dict[str, str] = {}   # every axis splits the LM (expert only with experts: `num_experts`)
+  remat_policies = config_lib.REMAT_POLICIES
+
+  def __init__(self, cfg):
+    self.cfg = cfg
+    self.length = cfg.seq_len             # tokens of one example
+    self.units_per_example = cfg.seq_len
+    self.num_experts = cfg.model.num_experts
+
+  def check_parallelism(self, sizes: dict, microbatches: int | None = None) -> None:
+    check_parallelism(self.cfg, sizes, microbatches)
+
+  def attention_on(self, platform: str, capability: str | None) -> str:
+    m = self.cfg.model
+    return attention.resolve(m.attention, platform, m.dtype, m.head_dim, m.num_heads, m.num_kv_heads, capability)
+
+  def abstract_params(self):
+    model = Transformer(ModelConfig.from_config(self.cfg.model))
+    tokens = jax.ShapeDtypeStruct((1, self.cfg.seq_len), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+  def flops_per_example(self, table) -> float:
+    return flops_per_sequence(self.cfg, table)
+
+  def recomputed_flops_per_example(self, table) -> float:
+    """Recomputed in the backward pass: full remat the whole forward (2 of the 6 FLOPs per parameter and token, and a
+    third of the attention); save_dots keeps the projections but recomputes attention's batched dots."""
+    remat = self.cfg.model.remat
+    if remat == "full":
+      return self.flops_per_example(table) / 3
+    if remat == "save_dots":
+      return perf.model_flops_per_token(self.cfg.model, self.cfg.seq_len, 0) * self.cfg.seq_len / 3
+    return 0.0
+
+  def batch_bytes_per_example(self, length: int) -> int:
+    return 2 * length * 4                 # input and target ids, int32, of the tokens on a device
+
+  def stack(self, sizes: dict) -> LayerStack:
+    """The model as one device of the tensor (and expert) split computes it."""
+    tensor = sizes["tensor"]
+    m = ModelConfig.from_config(self.cfg.model)
+    kv = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
+    local = dataclasses.replace(m, num_heads=m.num_heads // tensor, num_kv_heads=kv, mlp_dim=m.mlp_dim // tensor,
+                                num_experts=m.num_experts // sizes["expert"] if m.num_experts else 0)
+    return LayerStack(local, self.cfg.sharding.sequence_parallel)
+
+  def loss_bytes(self, b: int, l: int, sizes: dict, act: int) -> int:
+    """The loss: float32 logits and their exponentials, [b, l, V] each (XLA writes the logits' gradient over the
+    latter), and that gradient cast to the compute dtype for the head's matmuls unless that is float32; all freed
+    before the layers' backward."""
+    vocab, tensor = self.cfg.model.vocab_size, sizes["tensor"]
+    vocab_local = vocab // tensor if vocab % tensor == 0 else vocab
+    return b * l * vocab_local * (2 * 4 + (act if act < 4 else 0))
+
+  def collectives(self, sizes, table, gathered, b: int, l: int, act: int) -> list:
+    """Collectives per device per step, derived from what each split forces, in the program's own terms.
+
+    One micro-step (x grad_accum_steps) of a model with N layers per device:
+      data / fsdp: each layer's gradients are reduced as the backward pass produces them (one combined
+        reduction per layer, N), plus one for the embedding, head, final norm and loss sums after the loop;
+      fsdp: every weight split over `fsdp` is all-gathered before its forward use and again for its backward use
+        (2 per weight per layer); the gradient reduction is an all-reduce on the CPU, a reduce-scatter on GPUs;
+      tensor: one all-reduce of the [b, l, D] block output after the attention output and after the MLP down
+        projection (2 per layer forward, again under full remat's recompute), and in the backward pass one
+        combined all-reduce of the input gradients of Q/K/V (3 x [b, l, D]) and one of gate/up (2 x [b, l, D]);
+      sequence: gradients summed over the sequence shards (per layer, as for data); ring attention passes K and
+        V around the ring, one permute each of K, V forward and dK, dV backward per ring step;
+      stage: each pipeline iteration hands a [micro-batch, l, D] activation to the next stage, forward and back,
+        and the data-axis gradient reduction runs once per pipeline iteration;
+      expert: two all-to-alls of the dispatched tokens per MoE layer forward (dispatch, combine), two backward.
+    Bytes are the buffer per device per execution (full gathered size for all-gathers), summed over executions.
+    """
+    from meshtrain.estimate import CollectiveList, _layer_rows, _pipeline_shape
+    cfg = self.cfg
+    m = cfg.model
+    accum = cfg.optimizer.grad_accum_steps
+    stages, tensor, shards, experts = sizes["stage"], sizes["tensor"], sizes["sequence"], sizes["expert"]
+    layers = m.num_layers // stages
+    remat_full = m.remat == "full"
+    bld = b * l * m.d_model * act
+    out = CollectiveList(sizes)
+    add = out.add
+
+    fsdp = sizes["fsdp"] > 1
+    micro, repeats, iterations = _pipeline_shape(cfg, stages)
+    runs = iterations * layers // repeats  # times a device runs one of its layers, each on b / micro rows
+    if sizes["data"] > 1 or fsdp:
+      layer_grads = sum(r.bytes_per_device for r in _layer_rows(gathered))
+      # An FSDP-split embedding is looked up slice by slice with every token id gathered, so its gradient needs no
+      # reduction; split gradients need one more for the global-norm partial sums, and the loss sums go separately.
+      other = [r for r in gathered if not r.path.startswith("layers/") and not (fsdp and r.path == "embedding")]
+      if stages == 1:
+        add("all-reduce", ("data", "fsdp"), accum * (layers + 1 + (2 if fsdp else 0)),
+            accum * (layer_grads + sum(r.bytes_per_device for r in other)))
+      else:
+        # Inside the pipeline loop XLA reduces each iteration's layer gradients as they appear, before summing the
+        # iterations: every loop iteration pays a full reduction of the stage's layers (fill and drain included).
+        per_iteration = layers // repeats
+        add("all-reduce", ("data", "fsdp"), accum * (iterations * per_iteration + 2 + (2 if fsdp else 0)),
+            accum * (iterations * layer_grads // repeats + sum(r.bytes_per_device for r in other)))
+    if shards > 1:
+      # Each sequence shard saw different tokens, so every gradient is summed over `sequence` too (XLA keeps it a
+      # separate reduction from the data-axis one).
+      add("all-reduce", ("sequence",), accum * (layers + 1), accum * sum(r.bytes_per_device for r in gathered))
+    if fsdp:
+      split = [g for r, g in zip(table, gathered) if g.path.startswith("layers/") and "fsdp" in str(r.spec)]
+      head = [g for g in gathered if g.path == "head"]
+      # Per layer every split weight is gathered for its forward and again for its backward use; outside the
+      # layers the head once, and the token ids for the embedding lookup.
+      # In a pipeline the layers run once per loop iteration, so their collectives do too.
+      add("all-gather", ("fsdp",), accum * (2 * len(split) * runs + len(head) + 1),
+          accum * (2 * sum(g.bytes_per_device for g in split) * runs // layers + sum(g.bytes_per_device for g in head)
+                   + b * sizes["fsdp"] * l * 4))
+      # The looked-up [b, l, D/fsdp] embeddings are re-split by batch (and their gradient back): two all-to-alls.
+      # (the lookup happens before the cast to the compute dtype, so in the parameter dtype).
+      add("all-to-all", ("fsdp",), accum * 2, accum * 2 * b * l * m.d_model * jnp.dtype(m.param_dtype).itemsize)
+    if tensor > 1:
+      forward = 2 * runs * (2 if remat_full else 1)
+      # Outside the layers: the vocabulary-split embedding lookup and head input gradient ([b, l, D] each), the
+      # target logit, max and sum of the vocabulary-split softmax ([b, l] each), the global-norm partial sums.
+      add("all-reduce", ("tensor",), accum * (forward + 2 * runs + 6),
+          accum * ((forward + 5 * runs) * bld // micro + 2 * bld + 3 * b * l * 4))
+    if shards > 1:
+      # Per layer and ring step: K and V forward (again under full remat's recompute), dK and dV backward, one
+      # permute each; the positions travel once per step for all layers (the loop hoists them).
+      kv_one = b * l * (m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads) * m.head_dim * act
+      per_step = (4 + (2 if remat_full else 0)) * layers
+      add("collective-permute", ("sequence",), accum * (shards - 1) * (per_step + 1),
+          accum * (shards - 1) * (per_step * kv_one + b * l * 4))
+    if stages > 1:
+      # Each loop iteration rolls the [S, b/M, l, D] buffer by one stage (one permute forward, two for its
+      # gradient), plus one in and one out of the loop; the stage-replicated buffers' gradients (the M-slot input
+      # store and the M + 1-slot output) are summed over `stage`, twice.
+      slot = bld // micro
+      add("collective-permute", ("stage",), accum * (3 * iterations + 2), accum * (3 * iterations + 2) * slot)
+      add("all-reduce", ("stage",), accum * 2, accum * (2 * micro + 1) * slot)
+    if experts > 1 and m.num_experts:
+      capacity = math.ceil(m.capacity_factor * b * l * m.experts_per_token / m.num_experts) * m.num_experts
+      add("all-to-all", ("expert",), accum * 4 * layers, accum * 4 * layers * capacity * m.d_model * act)
+    return out
