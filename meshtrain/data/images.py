@@ -162,23 +162,17 @@ def check_features(name: str, features, image_key: str, label_key: str) -> tuple
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   items = dict(features.items()) if hasattr(features, "items") else {}
-
-  is_image = lambda f: isinstance(f, tfds.features.Image)
-  is_label = lambda f: isinstance(f, tfds.features.ClassLabel)
-  images, labels = [k for k, f in items.items() if is_image(f)], [k for k, f in items.items() if is_label(f)]
   listing = "its features are: " + (", ".join(f"{k} ({type(f).__name__})" for k, f in items.items()) or "none")
-  if image_key not in items or not is_image(items[image_key]):
-    what = "no feature" if image_key not in items else "a feature that is not an image at"
-    fix = (f"set --config.data.image_key to one of its image features ({', '.join(images)})" if images else
-           "it has no image feature, so it cannot train an image model (task=dit); use data.name=digits or a TFDS "
-           "image dataset")
-    raise UserError(f"dataset {name!r} has {what} data.image_key={image_key!r}; {listing}; {fix}")
-  if label_key not in items or not is_label(items[label_key]):
-    what = "no feature" if label_key not in items else "a feature that is not a ClassLabel at"
-    fix = (f"set --config.data.label_key to one of its ClassLabel features ({', '.join(labels)})" if labels else
-           "it has no ClassLabel feature, and the class-conditional model (task=dit) needs one; use data.name=digits "
-           "or a TFDS image dataset with class labels")
-    raise UserError(f"dataset {name!r} has {what} data.label_key={label_key!r}; {listing}; {fix}")
+  for flag, key, kind, (article, noun), without in (
+      ("image_key", image_key, tfds.features.Image, ("an", "image"), "it has no image feature, so it cannot train an image "
+       "model (task=dit); use data.name=digits or a TFDS image dataset"),
+      ("label_key", label_key, tfds.features.ClassLabel, ("a", "ClassLabel"), "it has no ClassLabel feature, and the "
+       "class-conditional model (task=dit) needs one; use data.name=digits or a TFDS image dataset with class labels")):
+    if not isinstance(items.get(key), kind):
+      what = "no feature" if key not in items else f"a feature that is not {article} {noun} at"
+      matching = [k for k, f in items.items() if isinstance(f, kind)]
+      fix = f"set --config.data.{flag} to one of its {noun} features ({', '.join(matching)})" if matching else without
+      raise UserError(f"dataset {name!r} has {what} data.{flag}={key!r}; {listing}; {fix}")
   image = items[image_key]
   shape = tuple(image.shape)
   if len(shape) != 3 or any(d is None for d in shape):
