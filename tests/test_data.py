@@ -1,13 +1,11 @@
 """Data layer: tokenizer, the python_stdlib TFDS corpus, packing, determinism, global batches, errors."""
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+import two_processes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -302,11 +300,7 @@ def test_vocab_too_small_for_bytes(stdlib_dir):
 
 
 _TWO_PROCESS_SCRIPT = """
-import sys
-import jax
 import numpy as np
-jax.config.update("jax_num_cpu_devices", 4)
-jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain.config import base_config
@@ -326,16 +320,6 @@ for spec in (P(("data", "fsdp"), None), P()):
 
 
 def test_two_processes_assemble_the_same_global_batch(stdlib_dir, tmp_path):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    address = f"127.0.0.1:{s.getsockname()[1]}"
-  script = tmp_path / "two_processes.py"
-  script.write_text(_TWO_PROCESS_SCRIPT)
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
-  procs = [subprocess.Popen([sys.executable, str(script), address, str(i), str(stdlib_dir)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=120)[0] for p in procs]
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out
+  outs = two_processes.run(_TWO_PROCESS_SCRIPT, tmp_path, str(stdlib_dir))
   assert "rows P(('data', 'fsdp'), None) (0, 8)" in outs[0] and "rows P(('data', 'fsdp'), None) (8, 16)" in outs[1]
   assert all("rows P() (0, 16)" in out for out in outs)

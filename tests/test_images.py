@@ -1,15 +1,11 @@
 """Image data: the locally built digits TFDS dataset, image sources (batch = f(seed, step), epoch permutations,
 per-row seeds), any TFDS image dataset through mocks, feature/model checks, and per-key batch shardings."""
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 
 import jax
 import ml_collections
 import numpy as np
 import pytest
+import two_processes
 import tensorflow_datasets as tfds
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -239,12 +235,8 @@ def test_one_sharding_still_means_every_key(train_src):
 
 
 _TWO_PROCESS_SCRIPT = """
-import sys
-import jax
 import ml_collections
 import numpy as np
-jax.config.update("jax_num_cpu_devices", 4)
-jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain.config import base_config
@@ -268,17 +260,8 @@ print("same batch", flush=True)
 
 
 def test_two_processes_assemble_the_same_image_batch(digits_dir, tmp_path):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    address = f"127.0.0.1:{s.getsockname()[1]}"
-  script = tmp_path / "two_processes.py"
-  script.write_text(_TWO_PROCESS_SCRIPT)
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
-  procs = [subprocess.Popen([sys.executable, str(script), address, str(i), str(digits_dir)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=120)[0] for p in procs]
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0 and "same batch" in out, out
+  outs = two_processes.run(_TWO_PROCESS_SCRIPT, tmp_path, str(digits_dir))
+  assert all("same batch" in out for out in outs)
   assert "rows (0, 8)" in outs[0] and "rows (8, 16)" in outs[1]
 
 
