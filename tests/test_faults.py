@@ -66,7 +66,7 @@ def test_second_run_on_a_workdir_is_refused_and_the_first_is_untouched(tmp_path)
   second = run(tmp_path, "--config.seed=1")
   refused_in = time.monotonic() - t0
   assert second.returncode == 2
-  line = one_line_error(second, "another run is using", f"pid {first.pid}", f"host {socket.gethostname()}", "started")
+  one_line_error(second, "another run is using", f"pid {first.pid}", f"host {socket.gethostname()}", "started")
   # before building, restoring or compiling anything (the time bound is loose: CI's 2 cores run other tests too)
   assert "mesh:" not in second.stdout and refused_in < 60, (refused_in, second.stdout)
   stop_and_check_history(first, tmp_path)

@@ -28,16 +28,14 @@ LAYOUTS = {  # name: (mesh sizes, rules preset)
 }
 
 
-@pytest.fixture(scope="module")
-def params():
+def random_params(model: ModelConfig) -> dict:
   """Random weights, scaled up so that the greedy choices are clear (at init the logits are nearly uniform and
   float rounding alone could flip an argmax between two programs)."""
-  boxed = Transformer(MODEL).init(jax.random.key(1), jnp.zeros((1, 1), jnp.int32))["params"]
+  boxed = Transformer(model).init(jax.random.key(1), jnp.zeros((1, 1), jnp.int32))["params"]
   return jax.tree.map(lambda a: np.asarray(a * 3 if a.ndim > 1 else a), nn.meta.unbox(boxed))
 
 
-@pytest.fixture(scope="module")
-def reference(params):
+def greedy_by_recompute(model: ModelConfig, params) -> list[list[int]]:
   """Greedy tokens of each prompt by running its whole sequence through the training forward pass for every new
   token, without a cache. Each row right-padded to one length (causal: what follows a token changes nothing
   before it), so one compiled program serves every step and row."""
@@ -45,12 +43,22 @@ def reference(params):
   tokens = np.zeros((len(PROMPTS), max(lengths) + NEW), np.int32)
   for row, prompt in enumerate(PROMPTS):
     tokens[row, :len(prompt)] = prompt
-  forward = jax.jit(lambda p, t: Transformer(MODEL).apply({"params": p}, t))
+  forward = jax.jit(lambda p, t: Transformer(model).apply({"params": p}, t))
   rows = np.arange(len(PROMPTS))
   for step in range(NEW):
     at = np.asarray(lengths) + step
     tokens[rows, at] = np.argmax(np.asarray(forward(params, tokens))[rows, at - 1], axis=-1)
   return [tokens[row, n:n + NEW].tolist() for row, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def params():
+  return random_params(MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+  return greedy_by_recompute(MODEL, params)
 
 
 def one_device(params, **kwargs):
@@ -75,6 +83,17 @@ def test_scanned_layer_stack_decodes_the_same(params, reference):
   prefill, _ = scanned._programs(3, 32, NEW, generate.Sampling(), False)
   assert prefill.out_info["cache"].k_NBKSE.shape == (MODEL.num_layers, 3, 8, 32 + NEW - 1, 8)
   assert scanned.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
+
+
+def test_mixture_of_experts_decodes_like_full_recompute():
+  # Routing is per token; only capacity couples tokens (an expert's overflow is dropped, and a decode step's group
+  # is one token where the full sequence's is all of them). With room for every token (capacity_factor =
+  # experts / experts_per_token) nothing is dropped, so the cached decode must choose what recomputation does.
+  model = dataclasses.replace(MODEL, num_experts=4, experts_per_token=2, capacity_factor=2.0)
+  params = random_params(model)
+  out = generate.Generator(params, model, num_ids=model.vocab_size).generate(PROMPTS, NEW, stop_at_eos=False)
+  assert out.token_ids == greedy_by_recompute(model, params)
+  assert len({tuple(row) for row in out.token_ids}) == len(PROMPTS)  # three prompts, three different continuations
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

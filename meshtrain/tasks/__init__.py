@@ -72,7 +72,24 @@ Optional members (the core has a default without them):
   layer_order: str                how stacked layers are stored; a checkpoint of another order is refused.
                                   Default "sequential".
 """
+import dataclasses
+from typing import Any
+
 KINDS = ("lm", "dit")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStack:
+  """What every task's `LayerStack` shares: `model`, the model config as one device of the split holds it, whose
+  d_model is the residual stream's width. A task's subclass adds its fields, `dims` and `backward_peak`."""
+  model: Any
+
+  @property
+  def width(self) -> int:
+    return self.model.d_model
+
+  def without_remat(self):
+    return dataclasses.replace(self, model=dataclasses.replace(self.model, remat="none"))
 
 
 def build(cfg, mesh, platform: str | None = None):

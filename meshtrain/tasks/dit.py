@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshtrain import config as config_lib
+from meshtrain import config as config_lib, tasks
 from meshtrain.errors import UserError
 from meshtrain.models.dit import FREQUENCIES, MOD_BLOCK, MOD_FINAL, DiT, DiTConfig
 
@@ -215,7 +215,7 @@ class _LocalConfig(DiTConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerStack:
+class LayerStack(tasks.BlockStack):
   """DiT's block stack as one device runs it (`CostModel.stack`): what estimate._layer_residuals traces. Hashable,
   so traces are cached per local shape."""
   model: DiTConfig
@@ -226,17 +226,10 @@ class LayerStack:
   fixed_are_weights: bool = True
 
   @property
-  def width(self) -> int:
-    return self.model.d_model
-
-  @property
   def dims(self) -> tuple[int, ...]:
     """Every other dimension of the block's values (the trace's batch must divide none of them)."""
     m = self.model
     return (m.num_heads, m.head_dim, m.mlp_dim, MOD_BLOCK)
-
-  def without_remat(self) -> "LayerStack":
-    return dataclasses.replace(self, model=dataclasses.replace(self.model, remat="none"))
 
   def backward_peak(self, length: int, act: int) -> int:
     """Bytes per image one block's backward holds at its peak beyond the residuals it reads: none beyond the

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain import config as config_lib, perf
+from meshtrain import config as config_lib, perf, tasks
 from meshtrain.errors import UserError
 from meshtrain.models import attention, moe
 from meshtrain.models.llama import ModelConfig, Transformer
@@ -168,7 +168,7 @@ def flops_per_sequence(cfg, table) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerStack:
+class LayerStack(tasks.BlockStack):
   """The LM's block stack as one device runs it (`CostModel.stack`): what estimate._layer_residuals traces.
   Hashable, so traces are cached per local shape."""
   model: ModelConfig            # heads, kv heads, MLP width and experts as one device of the split holds them
@@ -177,17 +177,10 @@ class LayerStack:
   fixed_are_weights: bool = False
 
   @property
-  def width(self) -> int:
-    return self.model.d_model
-
-  @property
   def dims(self) -> tuple[int, ...]:
     """Every other dimension of the block's values (the trace's batch must divide none of them)."""
     m = self.model
     return (m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, max(m.num_experts, 1))
-
-  def without_remat(self) -> "LayerStack":
-    return dataclasses.replace(self, model=dataclasses.replace(self.model, remat="none"))
 
   def backward_peak(self, length: int, act: int) -> int:
     """Bytes per sequence one layer's backward holds at its peak beyond the residuals it reads: the peak is in the
