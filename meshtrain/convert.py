@@ -580,14 +580,29 @@ def write_tokenizer(directory: pathlib.Path, tok, workdir: pathlib.Path, seq_len
     (directory / "special_tokens_map.json").write_text(json.dumps(BYTE_SPECIALS, indent=2))
   else:
     tokenizer_lib.write_files(tok, directory)
-    if tok.kind == "sentencepiece" and not (workdir / "tokenizer" / "tokenizer_config.json").is_file():
-      # AutoTokenizer needs to be told which class reads tokenizer.model; meshtrain adds no specials when encoding.
-      (directory / "tokenizer_config.json").write_text(json.dumps(
-          {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
-           "model_max_length": seq_len}, indent=2))
-    elif (workdir / "tokenizer" / "tokenizer_config.json").is_file():
+    if (workdir / "tokenizer" / "tokenizer_config.json").is_file():  # the model's own (an imported model's)
       shutil.copyfile(workdir / "tokenizer" / "tokenizer_config.json", directory / "tokenizer_config.json")
+    elif tok.kind == "sentencepiece":
+      (directory / "tokenizer_config.json").write_text(json.dumps(sentencepiece_config(tok, seq_len), indent=2))
   return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+
+
+def sentencepiece_config(tok, seq_len: int) -> dict:
+  """tokenizer_config.json beside a run's tokenizer.model, so that AutoTokenizer encodes as meshtrain does.
+
+  - tokenizer_class PreTrainedTokenizerFast (transformers 5's TokenizersBackend): with no tokenizer.json, it builds
+    the tokenizer from the model's own settings (BPE or unigram, normalization, dummy prefix, whitespace, byte
+    fallback). LlamaTokenizer would assume Llama 2's instead (BPE, a dummy prefix, and it skips that prefix when
+    the text starts with a space, which SentencePiece does not), so other models would encode differently.
+  - legacy: that build's SentencePiece-exact dummy prefix (its default, stated in case it changes).
+  - No BOS or EOS added, and split_special_tokens: meshtrain's encode adds none (documents are packed with EOS
+    between them) and encodes text that spells "</s>" as text.
+  - The specials by their pieces, the ids meshtrain used; pad is EOS when the model has no pad piece."""
+  piece = lambda i: None if i is None else tok.piece(i)
+  return {"tokenizer_class": "PreTrainedTokenizerFast", "legacy": True, "add_bos_token": False,
+          "add_eos_token": False, "split_special_tokens": True, "bos_token": piece(tok.bos_id),
+          "eos_token": piece(tok.eos_id), "pad_token": piece(tok.pad_id), "unk_token": piece(tok.unk_id),
+          "model_max_length": seq_len, "clean_up_tokenization_spaces": False}
 
 
 # ----------------------------------------------------------------------------------------------------------------

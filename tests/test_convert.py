@@ -196,26 +196,129 @@ def test_byte_tokenizer_round_trips_through_auto_tokenizer(trained):
   assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (byte.PAD_ID, byte.EOS_ID, byte.BOS_ID)
 
 
+# Texts where SentencePiece and a Hugging Face tokenizer built from its model differ unless told how it was
+# trained: leading and repeated spaces (the dummy prefix), whitespace alone, nothing, pieces spelling specials.
+SP_TEXTS = ["def main():\n    return {'héllo': 'wörld ✓ 🐍 日本語'}\n", "  two leading,   three inner, trailing  ",
+            " ", "", "\t\n\n x", "12345 678", "<s> </s> <unk> <pad>: the specials spelled out are text"]
+
+
+def random_checkpoint(workdir, cfg, tokenizer=None):
+  """A checkpoint as a run writes it (parameters; config and tokenizer in its metadata; WORKDIR/tokenizer/), of
+  random parameters: the export reads nothing else, so no training steps are needed."""
+  import flax.linen as nn
+  import jax
+  from meshtrain.data import tokenizer as tokenizer_lib
+  tok = tokenizer or tokenizer_lib.load("byte")
+  params = nn.meta.unbox(Transformer(ModelConfig.from_config(cfg.model)).init(
+      jax.random.key(1), jnp.zeros((1, 4), jnp.int32))["params"])
+  ckpt = checkpoint.Checkpointer(workdir, keep=1)
+  ckpt.save(0, {"params": jax.tree.map(np.asarray, params)}, {"config": cfg.to_dict(), "tokenizer": tok.describe()})
+  ckpt.wait()
+  ckpt.close()
+  tokenizer_lib.save_to_workdir(tok, workdir)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def sp_run(tmp_path_factory):
+  """A tiny model with a Llama-2-style SentencePiece model (BPE, dummy prefix, whitespace kept, byte fallback,
+  digits split; trained here on meshtrain's own source), exported to HF."""
+  import io
+  import sentencepiece as spm
+  from meshtrain import config as config_lib
+  from meshtrain.data import tokenizer as tokenizer_lib
+  root = tmp_path_factory.mktemp("sp")
+  lines = [line for f in sorted((REPO / "meshtrain").glob("*.py")) for line in f.read_text().splitlines() if line]
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:2000]), model_writer=model, vocab_size=400,
+                                 model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+                                 remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+                                 minloglevel=2)
+  (root / "stdlib.model").write_bytes(model.getvalue())
+  cfg = config_lib.base_config()
+  cfg.model.num_layers, cfg.model.vocab_size, cfg.model.init = 2, 512, "fan_in"  # fan_in: logits of O(1)
+  cfg.data.tokenizer = str(root / "stdlib.model")
+  random_checkpoint(root / "run", cfg, tokenizer_lib.load(root / "stdlib.model"))
+  assert run_convert("to-hf", "--workdir", root / "run", "--out", root / "hf") == 0
+  return root
+
+
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_sentencepiece_run_exports_a_tokenizer_that_encodes_as_meshtrain(sp_run, use_fast):
+  import sentencepiece as spm
+  from meshtrain.data import tokenizer as tokenizer_lib
+  ours = tokenizer_lib.from_workdir(sp_run / "run")
+  assert ours.kind == "sentencepiece" and (sp_run / "hf" / "tokenizer.model").is_file()
+  sp = spm.SentencePieceProcessor(model_file=str(sp_run / "stdlib.model"))
+  theirs = transformers.AutoTokenizer.from_pretrained(sp_run / "hf", use_fast=use_fast)
+  for text in SP_TEXTS:
+    ids = ours.encode(text).tolist()
+    assert ids == sp.encode(text), text
+    # Called as users call it (add_special_tokens defaults to true): meshtrain's encode adds no BOS, nor does this.
+    assert theirs(text)["input_ids"] == theirs.encode(text) == ids, text
+    assert theirs.decode(ids + [ours.eos_id, ours.pad_id], skip_special_tokens=True) == ours.decode(ids) == text
+  assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id, theirs.unk_token_id) == (
+      ours.bos_id, ours.eos_id, ours.pad_id, sp.unk_id())
+  config = json.loads((sp_run / "hf" / "config.json").read_text())
+  assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
+
+
+def test_sentencepiece_defaults_export_as_meshtrain_encodes(tmp_path):
+  """sentencepiece's default training (unigram, NFKC, extra spaces removed, unknown characters -> <unk>): the
+  exported tokenizer follows the model's own settings, not Llama 2's. Two differences remain, both transformers':
+  its unigram also matches text spelling a control piece ("<s>") as that piece (no such text here), and it decodes
+  <unk> as "<unk>" (or skips it), which SentencePiece writes as " ⁇ " (decoding compared without <unk> here)."""
+  import io
+  import sentencepiece as spm
+  from meshtrain.data import tokenizer as tokenizer_lib
+  lines = [line for f in sorted((REPO / "meshtrain").glob("*.py")) for line in f.read_text().splitlines() if line]
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:2000]), model_writer=model, vocab_size=400,
+                                 minloglevel=2)
+  (tmp_path / "run" / "tokenizer").mkdir(parents=True)
+  (tmp_path / "run" / "tokenizer" / "tokenizer.model").write_bytes(model.getvalue())
+  (tmp_path / "hf").mkdir()
+  ours = tokenizer_lib.from_workdir(tmp_path / "run")
+  convert.write_tokenizer(tmp_path / "hf", ours, tmp_path / "run", 64)
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+  for text in [t for t in SP_TEXTS if "<s>" not in t] + ["ﬁ ＡＢＣ　x"]:
+    ids = ours.encode(text).tolist()
+    assert theirs(text)["input_ids"] == ids, text
+    known = [i for i in ids if i != ours.unk_id]
+    assert theirs.decode(known) == ours.decode(known), text
+
+
+def test_sentencepiece_run_exports_equal_logits_and_imports_back(sp_run, tmp_path):
+  from meshtrain.data import tokenizer as tokenizer_lib
+  theirs = transformers.AutoTokenizer.from_pretrained(sp_run / "hf")
+  tokens = np.asarray([theirs.encode(SP_TEXTS[0])[:12], theirs.encode(SP_TEXTS[1])[:12]])
+  assert_close(meshtrain_logits(sp_run / "run", tokens), hf_logits(sp_run / "hf", tokens))
+  # from-hf of the export (tokenizer.model, no tokenizer.json): the SentencePiece model is the one recorded.
+  assert run_convert("from-hf", sp_run / "hf", "--workdir", tmp_path / "w") == 0
+  ours = tokenizer_lib.from_workdir(sp_run / "run")
+  meta = checkpoint.load_params(tmp_path / "w")[1]
+  assert meta["tokenizer"] == ours.describe() and meta["config"]["data"]["tokenizer"].endswith("tokenizer.model")
+  assert tokenizer_lib.from_workdir(tmp_path / "w").fingerprint == ours.fingerprint
+  np.testing.assert_array_equal(meshtrain_logits(tmp_path / "w", tokens), meshtrain_logits(sp_run / "run", tokens))
+  # Generate from text: the prompt encoded by that model, BOS in front (an imported model with a BOS gets one).
+  from meshtrain.generate import Generator
+  generator = Generator.from_workdir(tmp_path / "w")
+  assert generator.encode(["def main("])[0].tolist() == [ours.bos_id, *ours.encode("def main(").tolist()]
+  out = generator.generate(["def main("], max_new_tokens=4, stop_at_eos=False)
+  assert len(out.token_ids[0]) == 4 and out.texts[0] == ours.decode(out.token_ids[0])
+
+
 @pytest.mark.parametrize("variant", ["tied", "untied_unscanned"])
 def test_fan_in_exports_with_its_scalings_folded_in(tmp_path, capsys, variant):
   """model.init=fan_in scales w_q by sqrt(E) and tied logits by 1/sqrt(D) in the forward pass: the export folds
   both into the weights, so transformers computes the same logits. Untied: a model trained without the scanned
   stack (scan_layers=false: layer_0, layer_1, ... instead of one stacked `layers` tree)."""
-  import flax.linen as nn
-  import jax
   from meshtrain import config as config_lib
   cfg = config_lib.base_config()
   cfg.model.num_layers, cfg.model.init = 2, "fan_in"
   cfg.model.tie_embeddings = variant == "tied"
   cfg.model.scan_layers = variant == "tied"
-  params = nn.meta.unbox(Transformer(ModelConfig.from_config(cfg.model)).init(
-      jax.random.key(1), jnp.zeros((1, 4), jnp.int32))["params"])
-  params = jax.tree.map(np.asarray, params)
-  ckpt = checkpoint.Checkpointer(tmp_path / "w", keep=1)
-  ckpt.save(0, {"params": params}, {"config": cfg.to_dict(), "params_only": True,
-                                    "tokenizer": {"kind": "byte", "fingerprint": "byte"}})
-  ckpt.wait()
-  ckpt.close()
+  random_checkpoint(tmp_path / "w", cfg)
   assert run_convert("to-hf", "--workdir", tmp_path / "w", "--out", tmp_path / "hf") == 0
   assert ("exported untied, with lm_head = embedding / sqrt(d_model)" in capsys.readouterr().out) == (variant == "tied")
   assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False

@@ -271,7 +271,12 @@ class SentencePieceTokenizer(Tokenizer):
                       "documents with one: train it with eos_id set")
     self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
     self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
+    self.unk_id = self._sp.unk_id()  # every SentencePiece model has one
     self.fingerprint = _sha256(path)
+
+  def piece(self, i: int) -> str:
+    """The piece (token string) of id `i`, e.g. "</s>"."""
+    return self._sp.id_to_piece(i)
 
   def encode(self, text):
     if isinstance(text, bytes):
