@@ -592,8 +592,8 @@ def sentencepiece_config(tok, seq_len: int) -> dict:
 
   - tokenizer_class PreTrainedTokenizerFast (transformers 5's TokenizersBackend): with no tokenizer.json, it builds
     the tokenizer from the model's own settings (BPE or unigram, normalization, dummy prefix, whitespace, byte
-    fallback). LlamaTokenizer would assume Llama 2's instead (BPE, a dummy prefix, and it skips that prefix when
-    the text starts with a space, which SentencePiece does not), so other models would encode differently.
+    fallback). LlamaTokenizer assumes Llama 2's instead (BPE, always a dummy prefix, yet none when the text starts
+    with a space, where SentencePiece adds one), so even a Llama-2-style model encoded differently.
   - legacy: that build's SentencePiece-exact dummy prefix (its default, stated in case it changes).
   - No BOS or EOS added, and split_special_tokens: meshtrain's encode adds none (documents are packed with EOS
     between them) and encodes text that spells "</s>" as text.
