@@ -559,52 +559,91 @@ def load_params(workdir, step: int | None = None, mesh=None, shardings=None, rul
   `StandardCheckpointer().restore(.../state)` does, and fails on another one with "Topology mismatch").
   Missing checkpoints or a step that is not there: UserError.
   """
-  import numpy as np
-  workdir = pathlib.Path(workdir).expanduser().absolute()
-  steps = checkpoint_steps(workdir)
-  if not steps:
-    what = "no such directory" if not workdir.is_dir() else "no complete checkpoint in its checkpoints/ directory"
-    raise UserError(f"cannot load parameters from {workdir}: {what}; pass the --workdir of a training run (or of "
-                    "python -m meshtrain.convert from-hf)")
-  if step is None:
-    step = steps[-1]
-  elif step not in steps:
-    raise UserError(f"{workdir} has no complete checkpoint at step {step}; it has steps {', '.join(map(str, steps))}")
-  step_dir = workdir / "checkpoints" / str(step)
-  try:
-    meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
-    meta, _ = _verified_meta(meta)
-  except CheckpointDamaged as e:
-    raise UserError(f"the checkpoint at step {step} ({step_dir}) is damaged: {e}") from e
-  if meta.get("layer_order", "sequential") != "sequential":
-    raise UserError(f"the checkpoint at step {step} in {workdir} stores its layers in {meta['layer_order']} order "
-                    "(a circular pipeline's); load it in a run with the same pipeline settings instead")
-  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-  with _quiet_absl():  # reading an item on its own, Orbax warns that the step's own metadata file is not its
-    stored = checkpointer.metadata(step_dir / "state").item_metadata.tree
-  if not isinstance(stored, dict) or "params" not in stored:
-    raise UserError(f"the checkpoint at step {step} in {workdir} holds no params (its state has "
-                    f"{sorted(stored) if isinstance(stored, dict) else type(stored).__name__})")
-  stored = stored["params"]
+  source = _ParamsSource(workdir, step)
   if mesh is None and shardings is None:
-    target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), stored)
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
-  else:
-    if shardings is None:
-      shardings = _param_shardings(meta, mesh, rules, stored, workdir, step)
-    target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), stored, shardings)
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-  log = workdir / "diagnostics" / f"load-params-step{step}-process{jax.process_index()}.log"
-  try:
-    with _stderr_to(log, keep_empty=False), _quiet_absl():
-      restored = checkpointer.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
-          {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
-  except Exception as e:
-    raise UserError(f"the checkpoint at step {step} ({step_dir}) cannot be read: "
-                    f"{_restore_problem(e, step_dir)} (Orbax's own report: {log})") from e
-  finally:
-    checkpointer.close()
-  return restored["params"], meta
+    return source.restore(source.stored), source.meta
+  if shardings is None:
+    shardings = _param_shardings(source.meta, mesh, rules, source.stored, source.workdir, source.step)
+  target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), source.stored, shardings)
+  return source.restore(target, ocp.checkpoint_utils.construct_restore_args(target)), source.meta
+
+
+def param_reader(workdir, step: int | None = None):
+  """(meta, stored, read) for reading parameters one at a time, as load_params reads them all (same checks, same
+  errors): `stored` is the params' tree of Orbax metadata (`.shape`, `.dtype` per leaf) and `read(path)` restores
+  the one parameter at `path` (a tuple of keys) as a numpy array. A model larger than memory can be exported
+  this way holding one array at a time."""
+  source = _ParamsSource(workdir, step)
+
+  def read(path: tuple):
+    leaf = source.stored
+    for key in path:
+      leaf = leaf[key]
+    for key in reversed(path):  # the subtree holding only `leaf`: Orbax restores nothing else (partial restore)
+      leaf = {key: leaf}
+    node = source.restore(leaf)
+    for key in path:
+      node = node[key]
+    return node
+
+  return source.meta, source.stored, read
+
+
+class _ParamsSource:
+  """The checkpoint load_params and param_reader read: step directory, verified meta item, and the metadata of
+  the stored params (found before any array is read, so a wrong workdir or step costs no restore)."""
+
+  def __init__(self, workdir, step: int | None):
+    workdir = pathlib.Path(workdir).expanduser().absolute()
+    steps = checkpoint_steps(workdir)
+    if not steps:
+      what = "no such directory" if not workdir.is_dir() else "no complete checkpoint in its checkpoints/ directory"
+      raise UserError(f"cannot load parameters from {workdir}: {what}; pass the --workdir of a training run (or of "
+                      "python -m meshtrain.convert from-hf)")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise UserError(f"{workdir} has no complete checkpoint at step {step}; it has steps "
+                      f"{', '.join(map(str, steps))}")
+    step_dir = workdir / "checkpoints" / str(step)
+    try:
+      meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
+      meta, _ = _verified_meta(meta)
+    except CheckpointDamaged as e:
+      raise UserError(f"the checkpoint at step {step} ({step_dir}) is damaged: {e}") from e
+    if meta.get("layer_order", "sequential") != "sequential":
+      raise UserError(f"the checkpoint at step {step} in {workdir} stores its layers in {meta['layer_order']} "
+                      "order (a circular pipeline's); load it in a run with the same pipeline settings instead")
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+      with _quiet_absl():  # reading an item on its own, Orbax warns that the step's own metadata file is not its
+        stored = checkpointer.metadata(step_dir / "state").item_metadata.tree
+    finally:
+      checkpointer.close()
+    if not isinstance(stored, dict) or "params" not in stored:
+      raise UserError(f"the checkpoint at step {step} in {workdir} holds no params (its state has "
+                      f"{sorted(stored) if isinstance(stored, dict) else type(stored).__name__})")
+    self.workdir, self.step, self.step_dir, self.meta, self.stored = workdir, step, step_dir, meta, stored["params"]
+
+  def restore(self, target, restore_args=None):
+    """The params in `target` (a subtree of `stored`, or ShapeDtypeStructs with shardings and their
+    `restore_args`); numpy arrays on the host when no restore_args are given."""
+    import numpy as np
+    if restore_args is None:
+      restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+      target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), target)  # never touched: no memory
+    log = self.workdir / "diagnostics" / f"load-params-step{self.step}-process{jax.process_index()}.log"
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+      with _stderr_to(log, keep_empty=False), _quiet_absl():
+        restored = checkpointer.restore(self.step_dir / "state", args=ocp.args.PyTreeRestore(
+            {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+    except Exception as e:
+      raise UserError(f"the checkpoint at step {self.step} ({self.step_dir}) cannot be read: "
+                      f"{_restore_problem(e, self.step_dir)} (Orbax's own report: {log})") from e
+    finally:
+      checkpointer.close()
+    return restored["params"]
 
 
 @contextlib.contextmanager

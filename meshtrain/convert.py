@@ -8,10 +8,13 @@ config) and W/tokenizer/ (the model's tokenizer files), so `python -m meshtrain.
 `train --config.init_from=W` work on it. to-hf writes safetensors, config.json (LlamaForCausalLM) and the
 tokenizer, loadable by transformers' AutoModelForCausalLM and AutoTokenizer.
 
-Both stream: weights are read and written one tensor at a time through safetensors' numpy API (no torch), and
-per-layer tensors land in preallocated stacked arrays, so memory holds one copy of the model plus one tensor
-(from-hf) or one output shard (to-hf). Output goes to a temporary directory beside the target, renamed into
-place at the end: a failed conversion leaves nothing behind.
+Both stream, so that a model larger than the free memory converts: the process holds about its largest stored
+array (a stack of every layer's up_proj, say) plus one tensor (from-hf) or one output shard (to-hf), not the
+model. Safetensors are read and written one tensor at a time through their numpy API (no torch). from-hf copies
+each tensor into its slot of a stacked array memory-mapped from a file in the staged output (page cache, not the
+process's memory), then Orbax writes the arrays one at a time; to-hf restores one stored array at a time. Output
+goes to a temporary directory beside the target, renamed into place at the end: a failed conversion leaves
+nothing behind.
 
 Layouts (HF's Linear stores weight [out, in]; meshtrain stores [in, out] with heads as their own axes):
   q_proj [H*E, D] -> q [D, H, E]      k_proj, v_proj [K*E, D] -> k, v [D, K, E]      o_proj [D, H*E] -> o [H, E, D]
@@ -20,6 +23,7 @@ Layouts (HF's Linear stores weight [out, in]; meshtrain stores [in, out] with he
 The rotary convention is the same on both sides (rotate-half: the first and second half of each head form the
 pairs), so no permutation of q/k rows is needed; tests/test_convert.py checks logits against transformers.
 """
+import asyncio
 import contextlib
 import json
 import math
@@ -47,6 +51,12 @@ SHARD_BYTES = 1 << 30
 # Byte tokenizer specials as Hugging Face names them in the tokenizer.json to-hf writes (ids from meshtrain's
 # byte tokenizer: pad 256, eos 257, bos 258).
 BYTE_SPECIALS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>"}
+# Each layer's HF tensors (model.layers.N.<name>) and the meshtrain parameter of the layer holding each.
+LAYER_TENSORS = {"input_layernorm.weight": ("attn_norm", "scale"), "self_attn.q_proj.weight": ("attn", "q"),
+                 "self_attn.k_proj.weight": ("attn", "k"), "self_attn.v_proj.weight": ("attn", "v"),
+                 "self_attn.o_proj.weight": ("attn", "o"), "post_attention_layernorm.weight": ("mlp_norm", "scale"),
+                 "mlp.gate_proj.weight": ("mlp", "gate"), "mlp.up_proj.weight": ("mlp", "up"),
+                 "mlp.down_proj.weight": ("mlp", "down")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json")
 
@@ -144,18 +154,13 @@ def hf_tensors(m: dict) -> dict:
          "model.norm.weight": (("final_norm", "scale"), None, (D,))}
   if not m["tie_embeddings"]:
     out["lm_head.weight"] = (("head",), None, (V, D))
-  per_layer = {"self_attn.q_proj.weight": (("attn", "q"), (H * E, D)),
-               "self_attn.k_proj.weight": (("attn", "k"), (K * E, D)),
-               "self_attn.v_proj.weight": (("attn", "v"), (K * E, D)),
-               "self_attn.o_proj.weight": (("attn", "o"), (D, H * E)),
-               "mlp.gate_proj.weight": (("mlp", "gate"), (F, D)),
-               "mlp.up_proj.weight": (("mlp", "up"), (F, D)),
-               "mlp.down_proj.weight": (("mlp", "down"), (D, F)),
-               "input_layernorm.weight": (("attn_norm", "scale"), (D,)),
-               "post_attention_layernorm.weight": (("mlp_norm", "scale"), (D,))}
+  shapes = {"input_layernorm.weight": (D,), "self_attn.q_proj.weight": (H * E, D),
+            "self_attn.k_proj.weight": (K * E, D), "self_attn.v_proj.weight": (K * E, D),
+            "self_attn.o_proj.weight": (D, H * E), "post_attention_layernorm.weight": (D,),
+            "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
   for i in range(m["num_layers"]):
-    for suffix, (path, shape) in per_layer.items():
-      out[f"model.layers.{i}.{suffix}"] = (("layers", *path), i, shape)
+    for suffix, path in LAYER_TENSORS.items():
+      out[f"model.layers.{i}.{suffix}"] = (("layers", *path), i, shapes[suffix])
   return out
 
 
@@ -297,27 +302,9 @@ def from_hf(hf_dir: str, workdir: str) -> pathlib.Path:
   cfg = _meshtrain_config(m, param_dtype, tokenizer_files, target)
 
   # Everything checked: from here on only the machine can fail, and the staged directory is removed if it does.
-  import ml_dtypes
-  dtype = np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
-  params = {}
-  for path, shape in meshtrain_shapes(m).items():
-    node = params
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = np.empty(shape, dtype)  # preallocated: each HF tensor is copied into its slot, then dropped
-  expected = hf_tensors(m)
-  by_file = {}
-  for name in expected:
-    by_file.setdefault(files[name], []).append(name)
   with staged(target) as tmp:
-    for file, names in by_file.items():
-      with _open_safetensors(file) as f:
-        for name in names:
-          path, layer, _ = expected[name]
-          node = params
-          for key in path:
-            node = node[key]
-          _to_meshtrain(name, f.get_tensor(name), node if layer is None else node[layer])
+    staging = tmp / ".params"
+    params = _read_weights(files, m, param_dtype, staging)
     if tokenizer_files:
       (tmp / "tokenizer").mkdir()
       for file in tokenizer_files:
@@ -327,7 +314,38 @@ def from_hf(hf_dir: str, workdir: str) -> pathlib.Path:
             "source": {"format": "huggingface", "architecture": ARCHITECTURE, "path": str(src.absolute()),
                        "dtype": param_dtype}}
     _save_params(tmp, params, meta)
+    del params  # unmaps the staged arrays, so that removing their files frees the disk space
+    shutil.rmtree(staging)
   return target
+
+
+def _read_weights(files: dict, m: dict, param_dtype: str, staging: pathlib.Path) -> dict:
+  """The meshtrain parameter tree of the HF tensors in `files`, in np.memmap arrays under `staging`: each HF
+  tensor is read, copied into its slot of the stacked array (transposed on the way) and dropped. Memory-mapped,
+  the model is page cache the kernel writes back and drops under pressure, not memory the process holds: a model
+  larger than the free memory converts."""
+  import ml_dtypes
+  dtype = np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
+  staging.mkdir()
+  params = {}
+  for path, shape in meshtrain_shapes(m).items():
+    node = params
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = np.memmap(staging / ".".join(path), dtype, mode="w+", shape=shape)
+  expected = hf_tensors(m)
+  by_file = {}
+  for name in expected:
+    by_file.setdefault(files[name], []).append(name)
+  for file, names in by_file.items():
+    with _open_safetensors(file) as f:
+      for name in names:
+        path, layer, _ = expected[name]
+        node = params
+        for key in path:
+          node = node[key]
+        _to_meshtrain(name, f.get_tensor(name), node if layer is None else node[layer])
+  return params
 
 
 def _meshtrain_config(m: dict, param_dtype: str, tokenizer_files: list[pathlib.Path], workdir: pathlib.Path) -> dict:
@@ -358,12 +376,8 @@ def _save_params(workdir: pathlib.Path, params: dict, meta: dict) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host work: never claim an accelerator for it
   import orbax.checkpoint as ocp
   from meshtrain import checkpoint
-  # Orbax deep-copies numpy arrays before an (async) save, in case the caller changes them meanwhile: a second
-  # full copy of the model (2.0x the weight bytes at peak, measured). Nothing touches these arrays until the save
-  # is committed, so the copy is switched off for this save and the previous handler put back after it.
   previous = ocp.type_handlers.get_type_handler(np.ndarray)
-  ocp.type_handlers.register_type_handler(np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False),
-                                          override=True)
+  ocp.type_handlers.register_type_handler(np.ndarray, _one_array_at_a_time(ocp), override=True)
   ckpt = None
   try:
     ckpt = checkpoint.Checkpointer(workdir, keep=1)
@@ -375,31 +389,31 @@ def _save_params(workdir: pathlib.Path, params: dict, meta: dict) -> None:
     ocp.type_handlers.register_type_handler(np.ndarray, previous, override=True)
 
 
+def _one_array_at_a_time(ocp):
+  """Orbax's handler of numpy arrays (np.memmap included: Orbax picks handlers by issubclass), changed in two ways
+  that bound the memory of writing a model to about its largest array:
+  - no deep copy: Orbax copies numpy arrays before an (async) save in case the caller changes them meanwhile, a
+    second full copy of the model. Nothing touches these arrays until the save is committed.
+  - one array written at a time: Orbax starts every array's TensorStore write at once, and TensorStore holds each
+    array's encoded chunks until its write completes: saving the 1b preset's arrays from memory-mapped files took
+    +0.62x the weight bytes with every write at once, +0.30x one at a time (~1.4x the largest array).
+  The arrays are stored as Orbax stores numpy arrays (same type name, chunks and metadata): only the order of the
+  writes changes."""
+
+  class OneArrayAtATime(ocp.type_handlers.NumpyHandler):
+    _lock = None
+
+    async def _open_and_write(self, value, tspec, ts_context):
+      if self._lock is None:  # created in the event loop that runs the writes
+        self._lock = asyncio.Lock()
+      async with self._lock:
+        await super()._open_and_write(value, tspec, ts_context)
+
+  return OneArrayAtATime(deepcopy_host_arrays=False)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # meshtrain -> Hugging Face
-
-def _stacked_layers(params: dict, num_layers: int) -> dict:
-  """The per-layer parameters as one tree with a leading layer axis: `layers` already is (scan_layers=true),
-  `layer_0`, `layer_1`, ... (scan_layers=false) are indexed the same way without stacking (no copy)."""
-  if "layers" in params:
-    return params["layers"]
-  return _LayerList([params[f"layer_{i}"] for i in range(num_layers)])
-
-
-class _LayerList:
-  """`tree["attn"]["q"][i]` over unstacked layers, the access `to_hf` uses, without building a stacked copy."""
-
-  def __init__(self, layers, path=()):
-    self._layers, self._path = layers, path
-
-  def __getitem__(self, key):
-    if isinstance(key, int):
-      node = self._layers[key]
-      for k in self._path:
-        node = node[k]
-      return node
-    return _LayerList(self._layers, (*self._path, key))
-
 
 def hf_config(model: dict, tied: bool, dtype: str, seq_len: int, tokenizer_ids: dict) -> dict:
   """config.json for transformers' LlamaForCausalLM with meshtrain model fields `model`."""
@@ -428,7 +442,7 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
   check_output(target, "--out")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from meshtrain import checkpoint
-  params, meta = checkpoint.load_params(src, step=step)
+  meta, stored, read = checkpoint.param_reader(src, step=step)
   model = meta["config"]["model"]
   if model.get("num_experts", 0):
     raise UserError(f"the model in {workdir!r} is a mixture of experts (model.num_experts={model['num_experts']}); "
@@ -446,8 +460,7 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
     tied = False
     notes.append(f"model.init=fan_in with tied embeddings divides the logits by sqrt(d_model)={math.sqrt(D):g}; "
                  "exported untied, with lm_head = embedding / sqrt(d_model) (tie_word_embeddings=false)")
-  layers = _stacked_layers(params, model["num_layers"])
-  dtype = np.asarray(params["embedding"]).dtype
+  dtype = np.dtype(stored["embedding"].dtype)
   dtype_name = "bfloat16" if dtype.name == "bfloat16" else "float32"
   # The forward pass multiplies w_q by sqrt(E): folded in, in float32. Exact for float32 weights and, stored as
   # bfloat16, whenever sqrt(E) is a power of two (E = 16, 64, 256); else rounded once to bfloat16 (E = 128: within
@@ -455,28 +468,20 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
   q_scale = math.sqrt(E) if fan_in else None
 
   def tensors():
-    """(HF name, producer of its [out, in] numpy array): each built only when its shard is written."""
-    yield "model.embed_tokens.weight", lambda: np.asarray(params["embedding"])
-    for i in range(model["num_layers"]):
-      p = f"model.layers.{i}."
-      yield p + "input_layernorm.weight", lambda i=i: np.asarray(layers["attn_norm"]["scale"][i])
-      for n in ("q", "k", "v"):
-        def qkv(i=i, n=n):
-          w = np.asarray(layers["attn"][n][i])  # [D, H, E]
-          w = w.reshape(w.shape[0], -1).T
-          if n == "q" and q_scale:
-            w = (w.astype(np.float32) * q_scale).astype(dtype)
-          return np.ascontiguousarray(w)
-        yield p + f"self_attn.{n}_proj.weight", qkv
-      yield p + "self_attn.o_proj.weight", lambda i=i: _contiguous_t(np.asarray(layers["attn"]["o"][i]).reshape(-1, D))
-      yield p + "post_attention_layernorm.weight", lambda i=i: np.asarray(layers["mlp_norm"]["scale"][i])
-      for n in ("gate", "up", "down"):
-        yield p + f"mlp.{n}_proj.weight", lambda i=i, n=n: _contiguous_t(np.asarray(layers["mlp"][n][i]))
-    yield "model.norm.weight", lambda: np.asarray(params["final_norm"]["scale"])
-    if "head" in params:
-      yield "lm_head.weight", lambda: _contiguous_t(np.asarray(params["head"]))
-    elif not tied:  # tied + fan_in, untied on export
-      yield "lm_head.weight", lambda: (np.asarray(params["embedding"]).astype(np.float32) / math.sqrt(D)).astype(dtype)
+    """(HF name, its [out, in] numpy array) in the order the checkpoint is read, one stored array at a time (a
+    stack of every layer's q, say): memory holds that array and the shard being built, never the model. Shards
+    group tensors by kind rather than by layer; transformers reads them through the index in any order."""
+    embedding = read(("embedding",))
+    yield "model.embed_tokens.weight", embedding
+    if not tied and "head" not in stored:  # tied + fan_in, untied on export
+      yield "lm_head.weight", (embedding.astype(np.float32) / math.sqrt(D)).astype(dtype)
+    del embedding
+    for suffix, path in LAYER_TENSORS.items():
+      scale = q_scale if suffix == "self_attn.q_proj.weight" else None
+      yield from _layer_tensors(suffix, _per_layer(read, stored, path, model["num_layers"]), scale)
+    yield "model.norm.weight", read(("final_norm", "scale"))
+    if "head" in stored:
+      yield "lm_head.weight", _to_hf("lm_head.weight", read(("head",)))
 
   tok = run_tokenizer(src, meta.get("tokenizer") or {})
   with staged(target) as tmp:
@@ -489,14 +494,39 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
   return target, notes
 
 
-def _contiguous_t(w: np.ndarray) -> np.ndarray:
-  return np.ascontiguousarray(w.T)
+def _per_layer(read, stored: dict, path: tuple, num_layers: int):
+  """Each layer's parameter at `path`, layer 0 first: slices of the one stacked array (scan_layers=true; read
+  once, released after the last layer) or each layer's own array (scan_layers=false: layer_0, layer_1, ...)."""
+  if "layers" in stored:
+    yield from read(("layers", *path))
+  else:
+    for i in range(num_layers):
+      yield read((f"layer_{i}", *path))
+
+
+def _layer_tensors(suffix: str, arrays, scale: float | None):
+  """(HF name, tensor) of every layer's `suffix` tensor from `arrays` (its meshtrain parameter, layer by layer).
+  A generator of its own so that the last layer's array is released when it ends, before the next is read."""
+  for i, w in enumerate(arrays):
+    w = _to_hf(suffix, w)
+    if scale:  # folded in float32, rounded once to the storage dtype
+      w = (w.astype(np.float32) * scale).astype(w.dtype)
+    yield f"model.layers.{i}.{suffix}", w
+
+
+def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
+  """The HF tensor `name` ([out, in]) of its meshtrain parameter `w` (one layer's): the inverse of _to_meshtrain."""
+  if name.endswith(("_layernorm.weight", "norm.weight", "embed_tokens.weight")):
+    return w
+  if name.endswith("o_proj.weight"):  # [H, E, D] -> [D, H*E]
+    return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
+  return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)  # [in, out...] -> [out, in]: q, k, v, gate, up, down, head
 
 
 def write_safetensors(directory: pathlib.Path, tensors) -> None:
-  """Writes (name, producer) pairs as shards of at most SHARD_BYTES (one file, model.safetensors, when they all
-  fit), with model.safetensors.index.json when there are several: the layout save_pretrained writes. Only one
-  shard's tensors exist at a time."""
+  """Writes (name, array) pairs, taken one at a time from the iterator `tensors`, as shards of at most SHARD_BYTES
+  (one file, model.safetensors, when they all fit), with model.safetensors.index.json when there are several: the
+  layout save_pretrained writes. Only one shard's tensors are held at a time."""
   from safetensors.numpy import save_file
   shards, current, size, total = [], {}, 0, 0
   weight_map = {}
@@ -511,8 +541,7 @@ def write_safetensors(directory: pathlib.Path, tensors) -> None:
       shards.append((name, list(current)))
       current, size = {}, 0
 
-  for name, produce in tensors:
-    w = produce()
+  for name, w in tensors:
     if size and size + w.nbytes > SHARD_BYTES:
       flush()
     current[name] = w
