@@ -11,10 +11,17 @@ are left-padded to a common length, each row keeps its own rotary positions and 
 `lax.while_loop` on the device that stops when every row has met its end-of-sequence token or its length limit;
 the host only wakes up between chunks of `stream_every` tokens, to print them (streaming). Temperature 0 is greedy.
 
-Exit codes: 0 done, 2 a user mistake (bad prompt, length, sampling setting, missing checkpoint), one `error:` line.
+Several processes (hosts): every process runs this same command (python -m meshtrain.launch --module
+meshtrain.generate, srun, ...; meshtrain.runtime starts the distributed runtime as for train), the mesh spans every
+process's devices, the parameters are restored sharded over it, and each process reads the same prompts. The
+generated ids are gathered onto every process; process 0 alone prints them.
+
+Exit codes: 0 done, 2 a user mistake (bad prompt, length, sampling setting, missing checkpoint), one `error:` line
+(from every process, before anything is compiled), 3 a process that never reached a barrier.
 """
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -22,8 +29,9 @@ import time
 import numpy as np
 
 from meshtrain import config as config_lib
-from meshtrain.errors import ArgumentParser, UserError
+from meshtrain.errors import ArgumentParser, RunAborted, UserError
 
+BARRIER_TIMEOUT_S = 1200  # config distributed.barrier_timeout_s's default
 STREAM_EVERY = 16  # tokens per decode call when streaming: one host round trip per 16 tokens costs ~nothing
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this, so nearby prompt lengths share one compiled prefill
 
@@ -112,6 +120,17 @@ def layers_as(params: dict, num_layers: int, stacked: bool) -> dict:
   return params
 
 
+def place(x, sharding):
+  """`x` as a jax Array with `sharding`. A host (numpy) value for a sharding whose devices span several processes
+  is assembled from every process's own shards of it (each process holds the whole value: the same prompts, the
+  same parameters), where `jax.device_put` accepts only devices of this process on some JAX versions."""
+  import jax
+  if isinstance(x, jax.Array) or sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 class Generator:
   """Prefill + KV-cache decode of a meshtrain Transformer on a mesh; reusable across calls (compiled programs are
   kept per batch size, padded prompt length, new-token count and sampling setting).
@@ -134,11 +153,18 @@ class Generator:
   every slice, every token (dynamic-slice fusions; 125m shape, batch 1: 107 ms per token, 50 ms unrolled). While
   they are split, the stacked and the per-layer weights both exist: twice the parameters' memory for a moment.
   `scan_layers=True` keeps the scanned stack (one compiled block: a smaller program for very deep models).
+
+  Several processes (jax.distributed, a mesh over every process's devices): every process builds the Generator and
+  calls generate with the same arguments (same prompts, settings and stream_every; the calls run collectives
+  together), and every process gets the same whole Output back (ids gathered from the devices that hold them) and
+  the same on_tokens calls; printing it once is the caller's choice (process 0: `jax.process_index() == 0`).
+  Before the first run of each newly compiled program the processes wait for each other (meshtrain.runtime.barrier,
+  up to `barrier_timeout_s`): the CPU backend's collectives give a late peer only 30 s.
   """
 
   def __init__(self, params, model_cfg, *, tokenizer=None, mesh=None, rules=None, max_len: int | None = None,
                add_bos: bool = False, num_ids: int | None = None, eos_id: int | None = None,
-               scan_layers: bool = False):
+               scan_layers: bool = False, barrier_timeout_s: int = BARRIER_TIMEOUT_S):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from meshtrain import mesh as mesh_lib, sharding
@@ -166,7 +192,7 @@ class Generator:
     boxed = jax.eval_shape(self.model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))["params"]
     sharding.param_table(boxed, self.mesh, self.rules)  # a weight the mesh cannot split evenly: UserError naming it
     self.param_shardings = sharding.shardings_of(boxed, self.mesh, self.rules)
-    self.params = jax.device_put(layers_as(params, self.model_cfg.num_layers, scan_layers), self.param_shardings)
+    self.params = jax.tree.map(place, layers_as(params, self.model_cfg.num_layers, scan_layers), self.param_shardings)
     self.batch_ways = int(np.prod([self.mesh.shape[a] for a in mesh_lib.BATCH_AXES]))
     self.max_len = max_len
     self.add_bos = add_bos
@@ -176,11 +202,15 @@ class Generator:
     self._replicated = NamedSharding(self.mesh, P())
     self._batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
     self._compiled = {}
+    self.barrier_timeout_s = barrier_timeout_s
+    # Any array to the host, whole, on every process: an array split over other processes' devices is first
+    # replicated on every device (a collective every process runs), then read from one of this process's devices.
+    self._replicate = jax.jit(lambda x: x, out_shardings=self._replicated)
 
   @classmethod
   def from_workdir(cls, workdir, step: int | None = None, *, mesh=None, rules=None, max_len: int | None = None,
                    tokenizer=None, dtype: str | None = None, num_ids: int | None = None,
-                   add_bos: bool | None = None) -> "Generator":
+                   add_bos: bool | None = None, barrier_timeout_s: int = BARRIER_TIMEOUT_S) -> "Generator":
     """The parameters of `workdir`'s checkpoint `step` (default the newest), its model config and tokenizer, on
     `mesh` (default one device). max_len defaults to the run's seq_len, the context it was trained on; `dtype`
     replaces the run's compute dtype (model.dtype, e.g. bfloat16), not the stored parameters'."""
@@ -199,7 +229,7 @@ class Generator:
                max_len=max_len if max_len is not None else saved.get("seq_len"),
                add_bos=add_bos if add_bos is not None else (
                    bool(meta.get("params_only")) and tokenizer.kind != "byte" and tokenizer.bos_id is not None),
-               num_ids=num_ids)
+               num_ids=num_ids, barrier_timeout_s=barrier_timeout_s)
 
   # --- prompts ---
 
@@ -230,7 +260,15 @@ class Generator:
     key = (B, P, T, sampling, stop_at_eos)
     if key not in self._compiled:
       self._compiled[key] = self._compile(B, P, T, sampling, stop_at_eos)
+      from meshtrain import runtime
+      runtime.barrier("generation's first run of a compiled program", self.barrier_timeout_s)
     return self._compiled[key]
+
+  def _fetch(self, x) -> np.ndarray:
+    """`x` whole, as numpy, on every process (a collective when other processes hold parts of it)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+      return np.asarray(x)
+    return np.asarray(self._replicate(x).addressable_data(0))
 
   def _compile(self, B: int, P: int, T: int, sampling: Sampling, stop_at_eos: bool):
     import flax.linen as nn
@@ -246,7 +284,9 @@ class Generator:
       done_B = t + 1 >= limit_B
       return done_B | (token_B == eos) if check_eos else done_B
 
-    def prefill(params, tokens_BP, start_B, limit_B, key):
+    def prefill(params, tokens_BP, start_B, limit_B, key_data):
+      # The key comes as its raw data: a typed key array cannot be placed on another process's devices.
+      key = jax.random.wrap_key_data(key_data)
       cache = init_cache(c, B, S, start_B)
       logits_B1V, cache = model.apply({"params": params}, tokens_BP, cache=cache)
       live_B = limit_B > 0  # rows that only pad the batch to a multiple of the batch axes have limit 0
@@ -269,7 +309,8 @@ class Generator:
 
     tokens = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=self._batch_sharding)
     rows = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=self._replicated)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=self._replicated)
+    key_data = jax.random.key_data(jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key_data.shape, key_data.dtype, sharding=self._replicated)
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params)
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       prefill_c = jax.jit(prefill).lower(params, tokens, rows, rows, key).compile()
@@ -321,23 +362,28 @@ class Generator:
       limit_B[i] = limits[i]
     prefill, decode = self._programs(B, P, T, sampling, stop_at_eos)
     # Inputs are placed before the clock starts: the timings are the device programs, not the host transfer.
-    tokens_BP = jax.device_put(tokens_BP, self._batch_sharding)
-    start_B, limit_B_dev = (jax.device_put(a, self._replicated) for a in (start_B, limit_B))
-    key = jax.device_put(jax.random.key(seed), self._replicated)
+    tokens_BP = place(tokens_BP, self._batch_sharding)
+    start_B, limit_B_dev = (place(a, self._replicated) for a in (start_B, limit_B))
+    key = place(np.asarray(jax.random.key_data(jax.random.key(seed))), self._replicated)
     t0 = time.perf_counter()
     state = jax.block_until_ready(prefill(self.params, tokens_BP, start_B, limit_B_dev, key))
     t1 = time.perf_counter()
     t = 1
     step = stream_every or T
+    # Every process takes the same turns through this loop (done_B and t are gathered whole everywhere), so all of
+    # them run the same device calls and collectives in the same order.
+    gather_every_chunk = on_tokens is not None or jax.process_count() > 1
     while True:
-      done_B = np.asarray(state["done_B"])
-      if on_tokens is not None:
-        on_tokens(t, np.asarray(state["out_BT"])[:, :t], done_B)
+      done_B = self._fetch(state["done_B"])
+      if gather_every_chunk:
+        out_BT = self._fetch(state["out_BT"])
+        if on_tokens is not None:
+          on_tokens(t, out_BT[:, :t], done_B)
       if t >= T or done_B.all():
         break
-      state = decode(self.params, state, np.int32(min(t + step, T)))
-      t = int(state["t"])
-    out_BT = np.asarray(state["out_BT"])
+      state = decode(self.params, state, place(np.int32(min(t + step, T)), self._replicated))
+      t = int(self._fetch(state["t"]))
+    out_BT = self._fetch(state["out_BT"])
     t2 = time.perf_counter()
     texts, token_ids, reasons = [], [], []
     for i in range(n):
@@ -429,8 +475,8 @@ class TextStream:
   """Prints completions as their tokens arrive. One prompt: its text, chunk by chunk. Several: each completion
   whole, under a `[i]` header, as soon as that row stops (rows stop at different times)."""
 
-  def __init__(self, generator: Generator, count: int, out=None):
-    self.generator, self.count, self.out = generator, count, out or sys.stdout
+  def __init__(self, generator: Generator, count: int, out=None, summary=True):
+    self.generator, self.count, self.out, self.summary = generator, count, out or sys.stdout, summary
     self.printed = [""] * count
     self.finished = [False] * count
 
@@ -461,34 +507,68 @@ class TextStream:
         text = output.texts[i]
         self.out.write((text[len(self.printed[i]):] if text.startswith(self.printed[i]) else text) + "\n")
     self.out.flush()
-    print(f"prefill {output.prompt_tokens} tokens in {output.prefill_s * 1e3:.1f} ms "
-          f"({output.prefill_tokens_per_sec:,.0f} tokens/s); decode {output.decode_tokens} tokens in "
-          f"{output.decode_s * 1e3:.1f} ms ({output.decode_tokens_per_sec:,.0f} tokens/s)", file=sys.stderr)
+    if self.summary:
+      print(f"prefill {output.prompt_tokens} tokens in {output.prefill_s * 1e3:.1f} ms "
+            f"({output.prefill_tokens_per_sec:,.0f} tokens/s); decode {output.decode_tokens} tokens in "
+            f"{output.decode_s * 1e3:.1f} ms ({output.decode_tokens_per_sec:,.0f} tokens/s)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
   try:
     args, cfg, saved, workdir, prompts = parse_args(sys.argv[1:] if argv is None else argv)
     from meshtrain import runtime
-    runtime.start(cfg)
+    runtime.start(cfg)  # XLA flags, CPU devices, the distributed runtime when several processes run: as train
+    import jax
+    # Every process runs the same generation (same calls, same collectives); process 0 alone prints.
+    is_main = jax.process_index() == 0
+    results = _results_stream(is_main)
     from meshtrain import mesh as mesh_lib, sharding
-    mesh = mesh_lib.make_mesh(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh)  # over every process's devices
     rules = sharding.rules_for(cfg.sharding.rules)
+    runtime.barrier("the parameter restore", cfg.distributed.barrier_timeout_s)
     generator = Generator.from_workdir(workdir, args.step, mesh=mesh, rules=rules, max_len=args.max_len,
-                                       dtype=args.dtype)
+                                       dtype=args.dtype, barrier_timeout_s=cfg.distributed.barrier_timeout_s)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.json:
       output = generator.generate(prompts, args.max_new_tokens, sampling, args.seed)
-      print(json.dumps(output.to_json()))
+      results.write(json.dumps(output.to_json()) + "\n")
+      results.flush()
     else:
-      stream = TextStream(generator, len(prompts))
+      stream = TextStream(generator, len(prompts), out=results, summary=is_main)
       output = generator.generate(prompts, args.max_new_tokens, sampling, args.seed, stream_every=STREAM_EVERY,
                                   on_tokens=stream)
       stream.close(output)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except RunAborted as e:
+    print(f"stopped: {e}", file=sys.stderr)
+    return 3
   return 0
+
+
+def _results_stream(is_main: bool):
+  """Where the completions go: stdout on process 0, nowhere on the others. With several processes the CPU backend's
+  collectives library (gloo) prints `[Gloo] Rank 0 is connected to ...` lines to the process's stdout when it
+  connects; they are sent to stderr from here on (file descriptor 1 becomes a copy of 2), so that stdout carries
+  the completions (--json: one JSON object) and nothing else."""
+  import jax
+  if jax.process_count() == 1:
+    return sys.stdout if is_main else _Discard()
+  sys.stdout.flush()
+  results = os.fdopen(os.dup(1), "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors) if is_main else None
+  os.dup2(2, 1)
+  return results or _Discard()
+
+
+class _Discard:
+  """Where the text of processes other than 0 goes."""
+
+  def write(self, text):
+    pass
+
+  def flush(self):
+    pass
 
 
 if __name__ == "__main__":

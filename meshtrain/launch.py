@@ -6,6 +6,11 @@ Each process runs `python -m meshtrain.train <train args> --config.cpu_devices=M
 runtime on 127.0.0.1 (gloo collectives between CPU processes). Output lines are prefixed `[pN]`. SIGTERM and
 SIGINT are passed on to every process (they checkpoint and stop together). When one process fails, the others
 are stopped and the launcher exits with the failed process's code.
+
+`--module meshtrain.generate` runs generation instead (every process the same command; process 0 prints):
+
+  python -m meshtrain.launch --processes 2 --devices-per-process 4 --module meshtrain.generate -- --workdir runs/x \
+      --prompt "def main(" --config.mesh.tensor=4 --config.mesh.nodes.tensor=2
 """
 import os
 import signal
@@ -18,6 +23,9 @@ import time
 from meshtrain.config import MAX_CPU_DEVICES, host_memory_bytes
 from meshtrain.errors import ArgumentParser, UserError
 
+# Entry points that start the distributed runtime from the launcher's variables (meshtrain.runtime.start) and take
+# --config.cpu_devices.
+MODULES = ("meshtrain.train", "meshtrain.generate")
 GRACE_S = 30  # after a failure, how long the survivors get to stop before SIGKILL
 # Resident memory of one training process once JAX has started, before any compile (158 MB measured on the CI
 # machine with 8 simulated devices): a floor, so more processes than memory / this cannot all start.
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
              "--workdir runs/x")
   parser.add_argument("--processes", type=int, required=True, help="processes to start (stand-ins for hosts)")
   parser.add_argument("--devices-per-process", type=int, required=True, help="simulated CPU devices per process")
+  parser.add_argument("--module", default="meshtrain.train", choices=MODULES,
+                      help="what every process runs (default meshtrain.train; the arguments after -- are its own)")
   try:
     args = parser.parse_args(argv[:split])  # --help prints the help and exits 0 here
     if args.processes < 1 or args.devices_per_process < 1:
@@ -128,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  code = launch(args.processes, args.devices_per_process, argv[split + 1:])
+  code = launch(args.processes, args.devices_per_process, argv[split + 1:], module=args.module)
   return code if code >= 0 else 128 - code  # killed by signal N: report 128 + N, as shells do
 
 if __name__ == "__main__":

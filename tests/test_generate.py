@@ -198,6 +198,31 @@ def test_cli_subprocess_one_device(workdir, tmp_path):
   assert len(json.loads(proc.stdout)["completions"]) == 1
 
 
+
+def test_cli_two_processes_equal_one_process(workdir, capsys):
+  # fsdp=8 over two processes of 4 devices: every weight and the 8 batch rows are split across both processes
+  # (rows 0-3 on process 0's devices, 4-7 on process 1's), so the restore, the decode's collectives and the gather
+  # of the ids all cross processes. Five prompts of 5, 17, 1, 3 and 9 tokens in one batch (the fifth is made on
+  # process 1); the same ids as one process with 8 devices, printed once, by process 0.
+  prompts = [["--prompt-ids", ",".join(map(str, ids))] for ids in
+             (range(100, 105), range(40, 57), [35], [72, 101, 108], range(60, 69))]
+  prompts = sum(prompts, [])
+  args = ["--workdir", str(workdir), *prompts, "--max-new-tokens", "24", "--json", "--config.mesh.data=1",
+          "--config.sharding.rules=fsdp"]
+  proc = subprocess.run([sys.executable, "-m", "meshtrain.launch", "--processes", "2", "--devices-per-process", "4",
+                         "--module", "meshtrain.generate", "--", *args, "--config.mesh.fsdp=4",
+                         "--config.mesh.nodes.fsdp=2"], capture_output=True, text=True, env=xla_fast.env(),
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()  # only the JSON: the collectives' "[Gloo] Rank ..." lines go to stderr
+  assert len(lines) == 1 and lines[0].startswith("[p0] {"), proc.stdout[-3000:]
+  got = json.loads(lines[0][len("[p0] "):])
+  assert generate.main([*args, "--config.mesh.fsdp=8", "--config.cpu_devices=8"]) == 0  # one process, 8 devices
+  expected = json.loads(capsys.readouterr().out)
+  assert len(expected["token_ids"]) == 5 and len(set(map(tuple, expected["token_ids"]))) > 1
+  assert got["token_ids"] == expected["token_ids"] and got["completions"] == expected["completions"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0 must be"),
