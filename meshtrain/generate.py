@@ -264,6 +264,25 @@ class Generator:
       runtime.barrier("generation's first run of a compiled program", self.barrier_timeout_s)
     return self._compiled[key]
 
+  @staticmethod
+  def _check_same_on_every_process(tokens_BP, limit_B, sampling, seed, stream_every, stop_at_eos) -> None:
+    """UserError on every process unless all of them were asked for the same generation (prompts read from
+    files that differ between hosts, a seed drawn per process, ...): they would compile different programs and wait
+    for each other forever, or mix their rows. One small collective, before anything is compiled."""
+    import hashlib
+    import jax
+    if jax.process_count() == 1:
+      return
+    from jax.experimental import multihost_utils
+    asked = hashlib.sha256(repr((tokens_BP.shape, tokens_BP.tobytes(), limit_B.tobytes(), sampling, seed,
+                                 stream_every, stop_at_eos)).encode()).digest()
+    every = np.asarray(multihost_utils.process_allgather(np.frombuffer(asked, np.uint8)))
+    differ = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+    if differ:
+      raise UserError(f"the processes were not all given the same prompts and settings: process(es) "
+                      f"{', '.join(map(str, differ))} differ from process 0; every process must run the same "
+                      "command with the same prompts (a --prompt-file must hold the same text on every host)")
+
   def _fetch(self, x) -> np.ndarray:
     """`x` whole, as numpy, on every process (a collective when other processes hold parts of it)."""
     if x.is_fully_addressable or x.is_fully_replicated:
@@ -360,6 +379,7 @@ class Generator:
       tokens_BP[i, P - len(x):] = x
       start_B[i] = P - len(x)
       limit_B[i] = limits[i]
+    self._check_same_on_every_process(tokens_BP, limit_B, sampling, seed, stream_every, stop_at_eos)
     prefill, decode = self._programs(B, P, T, sampling, stop_at_eos)
     # Inputs are placed before the clock starts: the timings are the device programs, not the host transfer.
     tokens_BP = place(tokens_BP, self._batch_sharding)

@@ -223,6 +223,25 @@ def test_cli_two_processes_equal_one_process(workdir, capsys):
   assert got["token_ids"] == expected["token_ids"] and got["completions"] == expected["completions"]
 
 
+
+def test_processes_given_different_prompts_all_exit_2(workdir):
+  # Two processes (the launcher's variables, as srun would set SLURM's) whose prompts differ, as prompt files that
+  # differ between hosts would: both refuse before compiling, instead of waiting on each other forever.
+  from meshtrain.launch import free_port
+  address = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen([sys.executable, "-m", "meshtrain.generate", "--workdir", str(workdir), "--prompt", prompt,
+                             "--max-new-tokens", "4", "--config.cpu_devices=4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**xla_fast.env(), "JAX_COORDINATOR_ADDRESS": address, "MESHTRAIN_NUM_PROCESSES": "2",
+                                 "MESHTRAIN_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu"})
+           for i, prompt in enumerate(["def f(", "import os"])]
+  outputs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [2, 2], outputs
+  for out, err in outputs:
+    assert out == "" and "error: the processes were not all given the same prompts and settings: process(es) 1 " \
+        "differ from process 0" in err, err[-2000:]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0 must be"),
