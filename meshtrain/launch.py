@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
   split = argv.index("--") if "--" in argv else len(argv)
   parser = ArgumentParser(
       prog="python -m meshtrain.launch", description=__doc__.split("\n\n")[0],
-      usage="python -m meshtrain.launch --processes N --devices-per-process M -- TRAIN_ARGS...",
+      usage="python -m meshtrain.launch --processes N --devices-per-process M [--module M] -- TRAIN_ARGS...",
       epilog="TRAIN_ARGS, after --, are python -m meshtrain.train's own arguments (--config, --workdir, "
-             "--config.KEY=VALUE ...); each process gets them with --config.cpu_devices=M added. Example: "
-             "python -m meshtrain.launch --processes 2 --devices-per-process 4 -- --config configs/tiny.py "
-             "--workdir runs/x")
+             "--config.KEY=VALUE ...), or --module's; each process gets them with --config.cpu_devices=M added. "
+             "Example: python -m meshtrain.launch --processes 2 --devices-per-process 4 -- --config "
+             "configs/tiny.py --workdir runs/x")
   parser.add_argument("--processes", type=int, required=True, help="processes to start (stand-ins for hosts)")
   parser.add_argument("--devices-per-process", type=int, required=True, help="simulated CPU devices per process")
   parser.add_argument("--module", default="meshtrain.train", choices=MODULES,

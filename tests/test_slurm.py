@@ -211,6 +211,23 @@ def test_scontrol_requeue_resumes_and_keeps_both_logs(cluster, runs, tmp_path):
   assert_params_equal(workdir, runs["two"])
 
 
+def test_srun_generate_on_two_nodes_equals_one_process(cluster, runs):
+  # Generation over two nodes (srun: one task each, 4 devices, fsdp=8 across both), from the two-node run's
+  # checkpoint: the ids of one process with 8 devices, and one JSON object on stdout.
+  args = [sys.executable, "-m", "meshtrain.generate", "--workdir", str(runs["two"]), "--prompt-ids", "100,101,102",
+          "--prompt-ids", ",".join(map(str, range(40, 57))), "--prompt-ids", "35", "--max-new-tokens", "16", "--json",
+          "--config.mesh.data=1", "--config.sharding.rules=fsdp"]
+  two = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", *args,
+                        "--config.mesh.fsdp=4", "--config.mesh.nodes.fsdp=2", "--config.cpu_devices=4"], cwd=ROOT,
+                       env=cluster, capture_output=True, text=True, timeout=300)
+  assert two.returncode == 0, two.stderr[-3000:]
+  one = subprocess.run([*args, "--config.mesh.fsdp=8", "--config.cpu_devices=8"], cwd=ROOT, env=cluster,
+                       capture_output=True, text=True, timeout=300)
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert len(two.stdout.splitlines()) == 1, two.stdout[-3000:]  # process 0's JSON only
+  assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+
+
 @pytest.mark.parametrize("how", ["salloc", "sbatch"])
 def test_inside_an_allocation_outside_srun_runs_as_one_process(cluster, how, tmp_path):
   # SLURM_NTASKS=2 and SLURM_JOB_ID are set there, but no step (SLURM_STEP_ID): not a multi-process launch.
