@@ -145,6 +145,30 @@ def test_context_limit_and_bad_input(params):
       gen.generate(PROMPTS, **{"max_new_tokens": 4, **kwargs})
 
 
+
+TWO_PROCESS_API = """
+import json, pickle
+from meshtrain import generate, mesh as mesh_lib, sharding
+params, model, prompts = pickle.loads(open(sys.argv[3], "rb").read())
+# tensor=8 over two processes of 4 devices: every layer's heads split across both (mesh.nodes.tensor=2).
+mesh = mesh_lib.make_mesh({"data": 1, "tensor": 4, "nodes": {"tensor": 2}})
+gen = generate.Generator(params, model, mesh=mesh, rules=sharding.rules_for("tp"), num_ids=model.vocab_size)
+print("ids", json.dumps(gen.generate(prompts, 16, stop_at_eos=False).token_ids))
+"""
+
+
+def test_generator_api_in_two_processes(params, reference, tmp_path):
+  # The importable API in multi-process code: host (numpy) parameters placed over a mesh of both processes'
+  # devices, and every process gets the whole Output back.
+  import pickle
+  import two_processes
+  (tmp_path / "inputs.pkl").write_bytes(pickle.dumps((params, MODEL, PROMPTS)))
+  outputs = two_processes.run(TWO_PROCESS_API, tmp_path, str(tmp_path / "inputs.pkl"), timeout=300)
+  for out in outputs:
+    ids = [line for line in out.splitlines() if line.startswith("ids ")]
+    assert ids and json.loads(ids[0][4:]) == [row[:16] for row in reference], out[-2000:]
+
+
 # --- a trained workdir: load_params and the command line ---
 
 
