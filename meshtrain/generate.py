@@ -121,11 +121,12 @@ def layers_as(params: dict, num_layers: int, stacked: bool) -> dict:
 
 
 def place(x, sharding):
-  """`x` as a jax Array with `sharding`. A host (numpy) value for a sharding whose devices span several processes
-  is assembled from every process's own shards of it (each process holds the whole value: the same prompts, the
-  same parameters), where `jax.device_put` accepts only devices of this process on some JAX versions."""
+  """`x` as a jax Array with `sharding`. A value this process holds whole (numpy, or a jax Array on this process's
+  devices) for a sharding whose devices span several processes is assembled from every process's own shards of it
+  (each process holds the whole value: the same prompts, the same parameters): `jax.device_put` refuses devices
+  of other processes for a jax Array ("must be a Device or a Sharding which represents addressable devices")."""
   import jax
-  if isinstance(x, jax.Array) or sharding.is_fully_addressable:
+  if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
     return jax.device_put(x, sharding)
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
