@@ -80,6 +80,14 @@ def child_pid(workdir, process_id):
   raise AssertionError(f"no process {process_id} for {workdir}")
 
 
+def has_exited(pid) -> bool:
+  """Whether process `pid` has ended (gone, or a zombie its parent has not reaped yet)."""
+  try:
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+  except OSError:
+    return True
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
   """An uninterrupted 16-step run, one process, 8 devices."""
@@ -183,7 +191,7 @@ def test_watchdog_ends_a_run_whose_peer_stopped(tmp_path):
   # > any healthy phase on 2 busy cores: 15 s was once exceeded before step 6 with the whole suite running
   proc = start(tmp_path, "--config.watchdog_s=30", processes=2)
   wait_for_step(tmp_path, 6, proc, timeout=180)  # past the step-4 checkpoint
-  stopped = child_pid(tmp_path, 1)
+  watching, stopped = child_pid(tmp_path, 0), child_pid(tmp_path, 1)
   os.kill(stopped, signal.SIGSTOP)  # a hung host: alive, silent, inside a collective for its peers
   t0 = time.monotonic()
   try:
@@ -192,6 +200,12 @@ def test_watchdog_ends_a_run_whose_peer_stopped(tmp_path):
       assert time.monotonic() < deadline, "the watchdog never fired"
       time.sleep(0.2)
     detected = time.monotonic() - t0
+    # Process 0 exits (code 4) just after writing its stacks. The hung peer is killed only once it has: killed
+    # first, the launcher would see the peer's -9 before process 0's 4 and report that (CI once got 137 so).
+    deadline = time.monotonic() + 60
+    while not has_exited(watching):
+      assert time.monotonic() < deadline, "process 0 wrote its stacks but did not exit"
+      time.sleep(0.1)
   finally:
     os.kill(stopped, signal.SIGKILL)
   out, err = proc.communicate(timeout=120)

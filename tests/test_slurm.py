@@ -263,9 +263,14 @@ def test_time_limit_continues_the_run_until_done(cluster, runs):
   assert restarts >= 1, f"the run finished within one attempt: the test did not exercise the time limit\n{text}"
   for attempt in range(1, restarts + 2):
     assert f"=== meshtrain: job {job} attempt {attempt} on" in text, text[-4000:]
-  assert text.count("time limit near, stopping with a checkpoint") == restarts, text[-4000:]
+  # Every requeue follows a time-limit signal. The last attempt may get the signal too, when it ends within the
+  # warning window (CI once: its run reached the last step as the signal came): it then stops having finished, and
+  # is not requeued.
+  notices = text.count("time limit near, stopping with a checkpoint")
+  assert notices in (restarts, restarts + 1), text[-4000:]
   assert text.count("by the time limit; requeueing job") == restarts, text[-4000:]
-  assert text.count("preempted: saved step") == restarts and text.count("resumed from") == restarts, text[-4000:]
+  assert text.count("preempted: saved step") in (restarts, notices) and text.count("resumed from") == restarts, \
+      text[-4000:]
   assert f"done: step {steps}" in text, text[-4000:]
   assert saved_steps(workdir)[-1] == steps
   logged = set(losses(workdir))  # every logged step of the run, from all attempts, in one metrics.jsonl
