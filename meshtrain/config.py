@@ -37,6 +37,8 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 
 DIT_REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
+# distributed.barrier_timeout_s's default; also meshtrain.generate.Generator's, for research code without a config.
+BARRIER_TIMEOUT_S = 1200
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
 ATTENTION = ("auto", "blocked", "xla", "cudnn")  # meshtrain/models/attention.py (likewise)
 # Simulated CPU devices in one process, at most: the largest cluster `python -m meshtrain.inspect` compiles for.
@@ -101,7 +103,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.distributed.process_id = -1
   c.distributed.init_timeout_s = 300      # all processes must reach the coordinator within this time
   c.distributed.heartbeat_timeout_s = 100  # a process silent this long is declared dead and the job stops
-  c.distributed.barrier_timeout_s = 1200   # longest wait for all processes at a barrier: start-up, checkpoints
+  c.distributed.barrier_timeout_s = BARRIER_TIMEOUT_S   # longest wait for all processes at a barrier: start-up, checkpoints
 
   # Mesh: size of each named axis inside one node (fast links). One size may be -1: filled from the device count.
   c.mesh = ml_collections.ConfigDict()

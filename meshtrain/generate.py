@@ -31,7 +31,6 @@ import numpy as np
 from meshtrain import config as config_lib
 from meshtrain.errors import ArgumentParser, RunAborted, UserError
 
-BARRIER_TIMEOUT_S = 1200  # config distributed.barrier_timeout_s's default
 STREAM_EVERY = 16  # tokens per decode call when streaming: one host round trip per 16 tokens costs ~nothing
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this, so nearby prompt lengths share one compiled prefill
 
@@ -165,7 +164,7 @@ class Generator:
 
   def __init__(self, params, model_cfg, *, tokenizer=None, mesh=None, rules=None, max_len: int | None = None,
                add_bos: bool = False, num_ids: int | None = None, eos_id: int | None = None,
-               scan_layers: bool = False, barrier_timeout_s: int = BARRIER_TIMEOUT_S):
+               scan_layers: bool = False, barrier_timeout_s: int = config_lib.BARRIER_TIMEOUT_S):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from meshtrain import mesh as mesh_lib, sharding
@@ -211,7 +210,7 @@ class Generator:
   @classmethod
   def from_workdir(cls, workdir, step: int | None = None, *, mesh=None, rules=None, max_len: int | None = None,
                    tokenizer=None, dtype: str | None = None, num_ids: int | None = None,
-                   add_bos: bool | None = None, barrier_timeout_s: int = BARRIER_TIMEOUT_S) -> "Generator":
+                   add_bos: bool | None = None, barrier_timeout_s: int = config_lib.BARRIER_TIMEOUT_S) -> "Generator":
     """The parameters of `workdir`'s checkpoint `step` (default the newest), its model config and tokenizer, on
     `mesh` (default one device). max_len defaults to the run's seq_len, the context it was trained on; `dtype`
     replaces the run's compute dtype (model.dtype, e.g. bfloat16), not the stored parameters'."""
