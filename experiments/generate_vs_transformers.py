@@ -15,7 +15,9 @@ meshtrain: `Generator.from_workdir` on one CPU device (stop_at_eos=False: every 
 transformers: torch on the CPU, `model.generate(do_sample=False, use_cache=True, min_new_tokens=max_new_tokens)`
   (no EOS stop either). Its prefill = one forward of the prompt with use_cache=True, timed on its own; its decode
   = generate's total - that prefill, for the same batch x (new tokens - 1) tokens.
-Each configuration: one warm-up (meshtrain compiles there), then the median of `rounds` timed runs.
+Each configuration: one warm-up of each (meshtrain compiles there), then `rounds` rounds, each timing meshtrain then
+transformers back to back (interleaved, so both see the same machine: on a shared VM the speed of either drifts
+by 20% or more over minutes); reported: the medians, and the decode speedup as the median of the per-round ratios.
 The greedy tokens of the two are compared (how many of the new tokens agree before the first difference):
 random weights give near-uniform logits, so a late divergence from float rounding is possible and reported.
 
@@ -80,33 +82,37 @@ def make_workdir(shape: str, root: pathlib.Path, seq_len: int) -> tuple[pathlib.
   return workdir, hf_dir, {**sizes, **cfg.model.to_dict()}
 
 
-def time_meshtrain(gen, ids, new_tokens: int, rounds: int) -> dict:
-  gen.generate(ids, new_tokens, stop_at_eos=False)  # compiles, and the first run's one-off costs
-  runs = [gen.generate(ids, new_tokens, stop_at_eos=False) for _ in range(rounds)]
-  prefill = statistics.median(r.prefill_s for r in runs)
-  decode = statistics.median(r.decode_s for r in runs)
-  return {"prefill_s": prefill, "decode_s": decode, "tokens": runs[-1].token_ids}
+def run_meshtrain(gen, ids, new_tokens: int) -> dict:
+  out = gen.generate(ids, new_tokens, stop_at_eos=False)
+  return {"prefill_s": out.prefill_s, "decode_s": out.decode_s, "tokens": out.token_ids}
 
 
-def time_transformers(model, ids, new_tokens: int, rounds: int) -> dict:
+def run_transformers(model, ids, new_tokens: int) -> dict:
+  """One prefill (a forward of the prompt with use_cache=True, timed on its own) and one generate; its decode time
+  is generate's total minus that prefill."""
   import torch
   x = torch.tensor(ids, dtype=torch.long)
   kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
                 attention_mask=torch.ones_like(x), pad_token_id=0)
   with torch.inference_mode():
+    t0 = time.perf_counter()
     model(x, use_cache=True)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
     out = model.generate(x, **kwargs)
-    prefills, totals = [], []
-    for _ in range(rounds):
-      t0 = time.perf_counter()
-      model(x, use_cache=True)
-      prefills.append(time.perf_counter() - t0)
-      t0 = time.perf_counter()
-      out = model.generate(x, **kwargs)
-      totals.append(time.perf_counter() - t0)
-  prefill = statistics.median(prefills)
-  return {"prefill_s": prefill, "decode_s": statistics.median(totals) - prefill,
-          "tokens": out[:, x.shape[1]:].tolist()}
+    total = time.perf_counter() - t0
+  return {"prefill_s": prefill, "decode_s": total - prefill, "tokens": out[:, x.shape[1]:].tolist()}
+
+
+def side_by_side(gen, hf, ids, new_tokens: int, rounds: int) -> tuple[dict, dict, list[float]]:
+  """Interleaved rounds of both; (meshtrain medians, transformers medians, per-round decode time ratios)."""
+  run_meshtrain(gen, ids, new_tokens)  # compiles, and the first run's one-off costs
+  run_transformers(hf, ids, new_tokens)
+  pairs = [(run_meshtrain(gen, ids, new_tokens), run_transformers(hf, ids, new_tokens)) for _ in range(rounds)]
+  medians = [{"prefill_s": statistics.median(p[i]["prefill_s"] for p in pairs),
+              "decode_s": statistics.median(p[i]["decode_s"] for p in pairs), "tokens": pairs[-1][i]["tokens"]}
+             for i in (0, 1)]
+  return medians[0], medians[1], [t["decode_s"] / m["decode_s"] for m, t in pairs]
 
 
 def memory_bandwidth() -> dict:
@@ -165,15 +171,15 @@ def main() -> None:
       hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
       for batch in batches:
         ids = prompts(batch, args.prompt_len)
-        mt = time_meshtrain(gen, ids, args.new_tokens, args.rounds)
-        tr = time_transformers(hf, ids, args.new_tokens, args.rounds)
+        mt, tr, ratios = side_by_side(gen, hf, ids, args.new_tokens, args.rounds)
         prompt_tokens, decode_tokens = batch * args.prompt_len, batch * (args.new_tokens - 1)
         run = {"shape": shape, "batch": batch, "params": info["params"], "agree": agreement(mt["tokens"], tr["tokens"])}
         for name, r in (("meshtrain", mt), ("transformers", tr)):
           run[name] = {"prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
                        "prefill_tokens_per_sec": prompt_tokens / r["prefill_s"],
                        "decode_tokens_per_sec": decode_tokens / r["decode_s"]}
-        run["decode_speedup"] = run["meshtrain"]["decode_tokens_per_sec"] / run["transformers"]["decode_tokens_per_sec"]
+        run["decode_speedup"] = statistics.median(ratios)
+        run["decode_speedup_rounds"] = ratios
         if batch == 1:
           # Bytes one decode token reads: every parameter, and the KV cache filled so far (on average half way).
           kv_bytes = 4 * 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] * (
@@ -192,7 +198,8 @@ def main() -> None:
       lines.append((r["shape"] if name == "meshtrain" else "", str(r["batch"]) if name == "meshtrain" else "", name,
                     f"{m['prefill_tokens_per_sec']:,.0f}", f"{m['decode_tokens_per_sec']:,.0f}",
                     f"{m['decode_s'] / (args.new_tokens - 1) * 1e3:.2f}", r["agree"] if name == "meshtrain" else ""))
-    lines.append(("", "", "meshtrain / transformers", "", f"{r['decode_speedup']:.2f}x", "", ""))
+    lines.append(("", "", "meshtrain / transformers", "", f"{r['decode_speedup']:.2f}x", "",
+                  "rounds " + " ".join(f"{x:.2f}" for x in r["decode_speedup_rounds"])))
     if "bound_tokens_per_sec" in r:
       lines.append(("", "", "memory-bandwidth bound", "", f"{r['bound_tokens_per_sec']:,.0f}", "",
                     f"{r['bytes_per_token'] / 1e6:,.0f} MB/token"))

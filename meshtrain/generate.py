@@ -20,6 +20,7 @@ Exit codes: 0 done, 2 a user mistake (bad prompt, length, sampling setting, miss
 (from every process, before anything is compiled), 3 a process that never reached a barrier.
 """
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -119,6 +120,16 @@ def layers_as(params: dict, num_layers: int, stacked: bool) -> dict:
   return params
 
 
+@functools.lru_cache
+def _transpose(perm: tuple[int, ...], out_sharding):
+  """Axes permuted by `perm` into `out_sharding`, compiled once per permutation and sharding (the layers share
+  them); the identity permutation is a no-op."""
+  import jax
+  if perm == tuple(range(len(perm))):
+    return lambda a: a
+  return jax.jit(lambda a: a.transpose(perm), out_shardings=out_sharding)
+
+
 def place(x, sharding):
   """`x` as a jax Array with `sharding`. A value this process holds whole (numpy, or a jax Array on this process's
   devices) for a sharding whose devices span several processes is assembled from every process's own shards of it
@@ -165,6 +176,7 @@ class Generator:
   def __init__(self, params, model_cfg, *, tokenizer=None, mesh=None, rules=None, max_len: int | None = None,
                add_bos: bool = False, num_ids: int | None = None, eos_id: int | None = None,
                scan_layers: bool = False, barrier_timeout_s: int = config_lib.BARRIER_TIMEOUT_S):
+    import flax.linen as nn
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from meshtrain import mesh as mesh_lib, sharding
@@ -174,8 +186,9 @@ class Generator:
       model_cfg = ModelConfig.from_config(model_cfg)
     # Generation runs the plain layer stack: no pipeline, no remat (nothing is differentiated), attention by the
     # cache path; a checkpoint trained pipelined (sequential layer order) has the same parameter tree.
+    # Dense weights are held [out, in] (models/llama.py, kernel: faster matmuls for a few rows at a time).
     self.model_cfg = dataclasses.replace(model_cfg, pipeline_stages=1, pipeline_microbatches=1, remat="none",
-                                         scan_layers=scan_layers)
+                                         scan_layers=scan_layers, kernels_out_in=True)
     self.model = Transformer(self.model_cfg)
     self.tokenizer = tokenizer if tokenizer is not None else tokenizer_lib.load("byte")
     if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
@@ -189,10 +202,18 @@ class Generator:
     self.rules = sharding.for_mesh(rules or sharding.rules_for("fsdp_tp"), self.mesh)
     sharding.check_mesh_uses_rules(self.mesh, self.rules, has_experts=self.model_cfg.num_experts > 0)
     import jax.numpy as jnp
-    boxed = jax.eval_shape(self.model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))["params"]
+    shapes = lambda cfg: jax.eval_shape(Transformer(cfg).init, jax.random.key(0),
+                                        jax.ShapeDtypeStruct((1, 1), jnp.int32))["params"]
+    boxed, given = shapes(self.model_cfg), shapes(dataclasses.replace(self.model_cfg, kernels_out_in=False))
     sharding.param_table(boxed, self.mesh, self.rules)  # a weight the mesh cannot split evenly: UserError naming it
     self.param_shardings = sharding.shardings_of(boxed, self.mesh, self.rules)
-    self.params = jax.tree.map(place, layers_as(params, self.model_cfg.num_layers, scan_layers), self.param_shardings)
+    # Placed as given (the model's layout), then turned to the held layout on the devices, one weight at a time.
+    is_leaf = lambda x: isinstance(x, nn.LogicallyPartitioned)
+    perms = jax.tree.map(lambda g, b: tuple(g.names.index(n) for n in b.names), given, boxed, is_leaf=is_leaf)
+    self.params = jax.tree.map(
+        lambda x, s, perm, held: _transpose(perm, held)(place(x, s)),
+        layers_as(params, self.model_cfg.num_layers, scan_layers),
+        sharding.shardings_of(given, self.mesh, self.rules), perms, self.param_shardings)
     self.batch_ways = int(np.prod([self.mesh.shape[a] for a in mesh_lib.BATCH_AXES]))
     self.max_len = max_len
     self.add_bos = add_bos

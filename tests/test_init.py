@@ -149,3 +149,25 @@ def test_config_checks_init():
   assert config_lib.load(str(CONFIGS / "tiny.py"), []).model.init == "normal"
   with pytest.raises(UserError, match="model.init"):
     config_lib.load(str(CONFIGS / "tiny.py"), ["--config.model.init=xavier"])
+
+
+@pytest.mark.parametrize("init", ["normal", "fan_in"])
+def test_kernels_out_in_hold_the_same_numbers_transposed(init):
+  """Generation's layout (kernels_out_in: dense weights [out, in], meshtrain/generate.py) draws every weight in the
+  model's layout and transposes it: the same numbers, the logical axes permuted with them, every dense kernel
+  turned (untied head included) and nothing else."""
+  cfg = dataclasses.replace(CFG, init=init, tie_embeddings=False, scan_layers=False)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  given = Transformer(cfg).init(jax.random.key(3), tokens)["params"]
+  held = Transformer(dataclasses.replace(cfg, kernels_out_in=True)).init(jax.random.key(3), tokens)["params"]
+  is_leaf = lambda x: isinstance(x, nn.LogicallyPartitioned)
+  turned = []
+  for (path, g), h in zip(jax.tree_util.tree_leaves_with_path(given, is_leaf=is_leaf),
+                          jax.tree.leaves(held, is_leaf=is_leaf)):
+    perm = tuple(g.names.index(n) for n in h.names)
+    np.testing.assert_array_equal(np.transpose(np.asarray(g.value), perm), np.asarray(h.value))
+    if perm != tuple(range(len(perm))):
+      turned.append("/".join(p.key for p in path))
+  expected = {f"layer_{i}/{m}/{w}" for i in range(N) for m, ws in (("attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+              for w in ws} | {"head"}
+  assert set(turned) == expected

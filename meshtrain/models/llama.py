@@ -94,6 +94,7 @@ class ModelConfig:
   pipeline_microbatches: int = 1
   pipeline_schedule: str = "gpipe"
   pipeline_repeats: int = 1
+  kernels_out_in: bool = False     # dense weights stored [out, in]: generation's layout (kernel below)
 
   @classmethod
   def from_config(cls, model_cfg) -> "ModelConfig":
@@ -123,7 +124,20 @@ class RMSNorm(nn.Module):
     return (x * scale_D).astype(self.cfg.dtype)
 
 
-def dense(x, w, features: str):
+def kernel(module: nn.Module, c: ModelConfig, name: str, shape: tuple[int, ...], logical: tuple, n_in: int,
+           std: float | None, fan_in: FanIn):
+  """A dense weight whose first `n_in` axes are contracted with the activations: stored [in..., out...] (the
+  model's layout, what training and checkpoints use), or [out..., in...] under c.kernels_out_in (torch's
+  nn.Linear layout), which meshtrain/generate.py sets. Why: XLA's CPU matmul of a few rows against a weight
+  streamed from memory is faster when both operands contract over their minor dimension (125m shape, decode:
+  1.3x tokens/s at batch 8, 1.1x at batch 1; the README's Generate section). Only a weight that is stored that
+  way gets the fast matmul: turning a [in, out] weight around inside the program is a copy of it per token, and
+  a column-major layout of it (jax's Format API) XLA copies back to row-major for the dot."""
+  perm = tuple(range(n_in, len(shape))) + tuple(range(n_in)) if c.kernels_out_in else None
+  return param(module, name, shape, logical, std, c.param_dtype, c.init, fan_in, perm=perm)
+
+
+def dense(x, w, features: str, out_in: bool = False):
   """einsum of activations [B, L, ...] with a weight over the feature dims only ("D,DF->F"), on the tokens as
   one axis [B*L, ...]: the same values and the same sharding (the batch split stays the major one), a reshape that
   is a bitcast on every backend. Not when the sequence is split too: then it stays [B, L, ...].
@@ -132,9 +146,12 @@ def dense(x, w, features: str):
   gradient into [F, B*L] order, with the elementwise backward (SwiGLU's) fused into that strided copy; on
   [B*L, D] it passes the operand to its matmul as transposed instead. One [1024, 1024] MLP weight gradient:
   36 ms against 6 ms, and the tiny model's step spent ~40% of its time in two such copies.
+  `out_in`: w is stored [out..., in...] (see `kernel`); `features` names the model's layout either way.
   """
   inputs, out = features.split("->")
   x_in, w_in = inputs.split(",")
+  if out_in:
+    w_in = out + x_in
   if context_axis():  # the sequence is split over devices: merging it with the batch would reshard (all-gathers)
     return jnp.einsum(f"BL{x_in},{w_in}->BL{out}", x, w)
   if w_in == x_in + out:
@@ -143,6 +160,10 @@ def dense(x, w, features: str):
     k = math.prod(x.shape[2:])
     y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*x.shape[:2], *w.shape[len(x_in):])
+  if out_in:
+    k = math.prod(x.shape[2:])
+    y = jax.lax.dot_general(x.reshape(-1, k), w.reshape(-1, k), (((1,), (1,)), ((), ())))
+    return y.reshape(*x.shape[:2], *w.shape[:len(out)])
   y = jnp.einsum(f"T{x_in},{w_in}->T{out}", x.reshape(-1, *x.shape[2:]), w)
   return y.reshape(*x.shape[:2], *y.shape[1:])
 
@@ -226,14 +247,12 @@ class Attention(nn.Module):
     D, H, K, E = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)  # residual branches summed N times: keep their sum O(1)
     # fan_in (MaxText): attention weights are plain normal, not truncated; the query is drawn 1/sqrt(E) smaller.
-    w_q = param(self, "q", (D, H, E), ("embed", "heads", "head_dim"), c.init_std, c.param_dtype, c.init,
-                FanIn(distribution="normal", scale=1 / E))
-    w_k = param(self, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype, c.init,
-                FanIn(distribution="normal"))
-    w_v = param(self, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype, c.init,
-                FanIn(distribution="normal"))
-    w_o = param(self, "o", (H, E, D), ("heads", "head_dim", "embed"), out_std, c.param_dtype, c.init,
-                FanIn(in_axes=(0, 1), distribution="normal"))
+    w_q = kernel(self, c, "q", (D, H, E), ("embed", "heads", "head_dim"), 1, c.init_std,
+                 FanIn(distribution="normal", scale=1 / E))
+    w_k = kernel(self, c, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), 1, c.init_std, FanIn(distribution="normal"))
+    w_v = kernel(self, c, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), 1, c.init_std, FanIn(distribution="normal"))
+    w_o = kernel(self, c, "o", (H, E, D), ("heads", "head_dim", "embed"), 2, out_std,
+                 FanIn(in_axes=(0, 1), distribution="normal"))
     w_q = w_q.astype(c.dtype)
     if c.init == "fan_in":
       # MaxText never scales the logits (its 1/sqrt(E) is in the query kernel's init): undo the 1/sqrt(E) that
@@ -241,9 +260,9 @@ class Attention(nn.Module):
       # the parameter keeps MaxText's scale, so Adam's steps (fixed size in parameter units) move the logits as
       # fast as in MaxText. Same at init with std 1/sqrt(D) and the usual scaling, not in training.
       w_q = w_q * jnp.asarray(math.sqrt(E), c.dtype)
-    q_BLHE = dense(x_BLD, w_q, "D,DHE->HE")
-    k_BLKE = dense(x_BLD, w_k.astype(c.dtype), "D,DKE->KE")
-    v_BLKE = dense(x_BLD, w_v.astype(c.dtype), "D,DKE->KE")
+    q_BLHE = dense(x_BLD, w_q, "D,DHE->HE", c.kernels_out_in)
+    k_BLKE = dense(x_BLD, w_k.astype(c.dtype), "D,DKE->KE", c.kernels_out_in)
+    v_BLKE = dense(x_BLD, w_v.astype(c.dtype), "D,DKE->KE", c.kernels_out_in)
     q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_heads", "act_head_dim"))
     k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
@@ -254,7 +273,7 @@ class Attention(nn.Module):
       k_BKSE, v_BKSE = write(k_BKSE, k_BLKE), write(v_BKSE, v_BLKE)
       o_BLHE = attention.cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end)
       o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
-      return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BKSE, v_BKSE)
+      return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D", c.kernels_out_in), (k_BKSE, v_BKSE)
     if axis := context_axis():
       # The sequence is split over devices: each holds a chunk of queries and must see every earlier key.
       pos_BL = jnp.broadcast_to(pos_L, q_BLHE.shape[:2])
@@ -263,7 +282,7 @@ class Attention(nn.Module):
     else:
       o_BLHE = attention.causal_attention(q_BLHE, k_BLKE, v_BLKE, c.attention)
     o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
-    return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D")
+    return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D", c.kernels_out_in)
 
 
 class MLP(nn.Module):
@@ -274,13 +293,13 @@ class MLP(nn.Module):
     c = self.cfg
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
     # fan_in (MaxText's MlpBlock): truncated normal, 1/sqrt(D) in, 1/sqrt(F) out.
-    w_gate = param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype, c.init, FanIn())
-    w_up = param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c.init_std, c.param_dtype, c.init, FanIn())
-    w_down = param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), out_std, c.param_dtype, c.init, FanIn())
-    gate_BLF = dense(x_BLD, w_gate.astype(c.dtype), "D,DF->F")
-    up_BLF = dense(x_BLD, w_up.astype(c.dtype), "D,DF->F")
+    w_gate = kernel(self, c, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), 1, c.init_std, FanIn())
+    w_up = kernel(self, c, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), 1, c.init_std, FanIn())
+    w_down = kernel(self, c, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), 1, out_std, FanIn())
+    gate_BLF = dense(x_BLD, w_gate.astype(c.dtype), "D,DF->F", c.kernels_out_in)
+    up_BLF = dense(x_BLD, w_up.astype(c.dtype), "D,DF->F", c.kernels_out_in)
     h_BLF = nn.with_logical_constraint(swiglu(gate_BLF, up_BLF), ("act_batch", "act_len", "act_mlp"))
-    return dense(h_BLF, w_down.astype(c.dtype), "F,FD->D")
+    return dense(h_BLF, w_down.astype(c.dtype), "F,FD->D", c.kernels_out_in)
 
 
 class Block(nn.Module):
@@ -363,9 +382,8 @@ class Transformer(nn.Module):
         # A normal(1.0) table would give logits of std sqrt(D); MaxText divides them by sqrt(D) (mapping above).
         logits_BLV = logits_BLV / jnp.asarray(math.sqrt(c.d_model), logits_BLV.dtype)
     else:
-      head_DV = param(self, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype,
-                      c.init, FanIn())
-      logits_BLV = dense(x_BLD, head_DV.astype(c.dtype), "D,DV->V")
+      head_DV = kernel(self, c, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), 1, c.init_std, FanIn())
+      logits_BLV = dense(x_BLD, head_DV.astype(c.dtype), "D,DV->V", c.kernels_out_in)
     return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
 
   def _generate(self, tokens_BL, cache: KVCache):
@@ -402,9 +420,8 @@ class Transformer(nn.Module):
       if c.init == "fan_in":
         logits_B1V = logits_B1V / jnp.asarray(math.sqrt(c.d_model), logits_B1V.dtype)
     else:
-      head_DV = param(self, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype,
-                      c.init, FanIn())
-      logits_B1V = dense(x_B1D, head_DV.astype(c.dtype), "D,DV->V")
+      head_DV = kernel(self, c, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), 1, c.init_std, FanIn())
+      logits_B1V = dense(x_B1D, head_DV.astype(c.dtype), "D,DV->V", c.kernels_out_in)
     logits_B1V = nn.with_logical_constraint(logits_B1V.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
     new_cache = cache.replace(k_NBKSE=k_NBKSE, v_NBKSE=v_NBKSE, end=cache.end + tokens_BL.shape[1])
     return logits_B1V, new_cache

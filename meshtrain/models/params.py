@@ -68,8 +68,13 @@ def initializer(init: str, std: float | None, fan_in: FanIn | None):
 
 
 def param(module: nn.Module, name: str, shape: tuple[int, ...], logical: tuple, std: float | None, dtype: str,
-          init: str = "normal", fan_in: FanIn | None = None):
+          init: str = "normal", fan_in: FanIn | None = None, perm: tuple[int, ...] | None = None):
   """A parameter initialised by `init` (normal(std), or `fan_in`'s variance scaling; ones when std is None, for
-  norm scales), stored in `dtype`, tagged with `logical` axes."""
-  return module.param(name, nn.with_logical_partitioning(initializer(init, std, fan_in), logical), shape,
-                      jnp.dtype(dtype))
+  norm scales), stored in `dtype`, tagged with `logical` axes. `perm`: stored with its axes in this order
+  (`shape` and `logical` name them unpermuted); drawn unpermuted and then transposed, so the values are the same."""
+  fn = initializer(init, std, fan_in)
+  if perm is not None:
+    drawn_shape, draw = shape, fn
+    fn = lambda key, shape, dtype=jnp.float32: jnp.transpose(draw(key, drawn_shape, dtype), perm)
+    shape, logical = tuple(shape[i] for i in perm), tuple(logical[i] for i in perm)
+  return module.param(name, nn.with_logical_partitioning(fn, logical), shape, jnp.dtype(dtype))
