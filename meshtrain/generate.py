@@ -226,9 +226,6 @@ class Generator:
     self._batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
     self._compiled = {}
     self.barrier_timeout_s = barrier_timeout_s
-    # Any array to the host, whole, on every process: an array split over other processes' devices is first
-    # replicated on every device (a collective every process runs), then read from one of this process's devices.
-    self._replicate = jax.jit(lambda x: x, out_shardings=self._replicated)
 
   @classmethod
   def from_workdir(cls, workdir, step: int | None = None, *, mesh=None, rules=None, max_len: int | None = None,
@@ -310,7 +307,9 @@ class Generator:
     """`x` whole, as numpy, on every process (a collective when other processes hold parts of it)."""
     if x.is_fully_addressable or x.is_fully_replicated:
       return np.asarray(x)
-    return np.asarray(self._replicate(x).addressable_data(0))
+    from jax.experimental import multihost_utils
+    # Replicated onto every device (a collective every process runs), then read from one of this process's.
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   def _compile(self, B: int, P: int, T: int, sampling: Sampling, stop_at_eos: bool):
     import flax.linen as nn
