@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from meshtrain import sharding
+from meshtrain import cpu_matmul, sharding
 from meshtrain.models import attention
 from meshtrain.models.activations import swiglu
 from meshtrain.models.moe import MoEConfig, MoEMLP
@@ -146,7 +146,8 @@ def dense(x, w, features: str, out_in: bool = False):
   gradient into [F, B*L] order, with the elementwise backward (SwiGLU's) fused into that strided copy; on
   [B*L, D] it passes the operand to its matmul as transposed instead. One [1024, 1024] MLP weight gradient:
   36 ms against 6 ms, and the tiny model's step spent ~40% of its time in two such copies.
-  `out_in`: w is stored [out..., in...] (see `kernel`); `features` names the model's layout either way.
+  `out_in`: w is stored [out..., in...] (see `kernel`; the tied embedding always is) and this is generation: the
+  product goes to meshtrain.cpu_matmul (no gradient). `features` names the model's layout either way.
   """
   inputs, out = features.split("->")
   x_in, w_in = inputs.split(",")
@@ -162,7 +163,7 @@ def dense(x, w, features: str, out_in: bool = False):
     return y.reshape(*x.shape[:2], *w.shape[len(x_in):])
   if out_in:
     k = math.prod(x.shape[2:])
-    y = jax.lax.dot_general(x.reshape(-1, k), w.reshape(-1, k), (((1,), (1,)), ((), ())))
+    y = cpu_matmul.matmul_nt(x.reshape(-1, k), w.reshape(-1, k))
     return y.reshape(*x.shape[:2], *w.shape[:len(out)])
   y = jnp.einsum(f"T{x_in},{w_in}->T{out}", x.reshape(-1, *x.shape[2:]), w)
   return y.reshape(*x.shape[:2], *y.shape[1:])
@@ -377,7 +378,7 @@ class Transformer(nn.Module):
         x_BLD, _ = block(c, name=f"layer_{i}")(x_BLD, pos_L)
     x_BLD = RMSNorm(c, name="final_norm")(x_BLD)
     if c.tie_embeddings:
-      logits_BLV = dense(x_BLD, embed_VD.astype(c.dtype), "D,VD->V")
+      logits_BLV = dense(x_BLD, embed_VD.astype(c.dtype), "D,VD->V", c.kernels_out_in)
       if c.init == "fan_in":
         # A normal(1.0) table would give logits of std sqrt(D); MaxText divides them by sqrt(D) (mapping above).
         logits_BLV = logits_BLV / jnp.asarray(math.sqrt(c.d_model), logits_BLV.dtype)
@@ -416,7 +417,7 @@ class Transformer(nn.Module):
       k_NBKSE, v_NBKSE = tuple(ks), tuple(vs)
     x_B1D = RMSNorm(c, name="final_norm")(x_BLD[:, -1:])
     if c.tie_embeddings:
-      logits_B1V = dense(x_B1D, embed_VD.astype(c.dtype), "D,VD->V")
+      logits_B1V = dense(x_B1D, embed_VD.astype(c.dtype), "D,VD->V", c.kernels_out_in)
       if c.init == "fan_in":
         logits_B1V = logits_B1V / jnp.asarray(math.sqrt(c.d_model), logits_B1V.dtype)
     else:
