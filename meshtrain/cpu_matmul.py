@@ -1,5 +1,6 @@
 """`matmul_nt(x_TK, w_NK)` = x . w^T: in float32 on the CPU backend by meshtrain/cpu_matmul.cc (why: see there),
-otherwise (GPU, bfloat16) by XLA's own dot. Decoding uses it for every weight held [out, in] (meshtrain/models/llama.py `dense`).
+otherwise (GPU, bfloat16) by XLA's own dot. Decoding uses it for every weight held [out, in]
+(meshtrain/models/llama.py `dense`).
 
 The kernel is compiled with the machine's C++ compiler (`$CXX`, else `c++`) on first use and cached under
 `$XDG_CACHE_HOME/meshtrain` (default `~/.cache/meshtrain`), keyed by the source, the compiler flags, jaxlib's version
