@@ -164,8 +164,9 @@ class Generator:
   every slice, every token (dynamic-slice fusions; 125m shape, batch 1: 107 ms per token, 50 ms unrolled). While
   they are split, the stacked and the per-layer weights both exist: twice the parameters' memory for a moment.
   `scan_layers=True` keeps the scanned stack (one compiled block: a smaller program for very deep models).
-  The dense weights are held [out, in] (ModelConfig.kernels_out_in, models/llama.py `kernel`: XLA's CPU matmul of a
-  few rows is faster that way), each turned on the devices once, here.
+  The dense weights are held [out, in] (ModelConfig.kernels_out_in, models/llama.py `kernel`), each turned on the
+  devices once, here: on the CPU, meshtrain/cpu_matmul.cc's kernel multiplies a few rows against them, reading each
+  weight row once.
 
   Several processes (jax.distributed, a mesh over every process's devices): every process builds the Generator and
   calls generate with the same arguments (same prompts, settings and stream_every; the calls run collectives
