@@ -101,7 +101,8 @@ def plot_losses(metrics_path: pathlib.Path, png_path: pathlib.Path) -> None:
   ax.set_xlabel("step")
   ax.set_ylabel("cross-entropy (nats/token)")
   ax.grid(alpha=0.3)
-  ax.legend()
+  if train or evals:  # a writer closed before any loss was logged (images only) plots empty axes, no legend
+    ax.legend()
   fig.tight_layout()
   fig.savefig(png_path, dpi=100)
   plt.close(fig)

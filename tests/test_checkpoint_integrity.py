@@ -18,6 +18,9 @@ from ckpt_helpers import restore_params, rewrite_without_checksums
 
 from meshtrain import checkpoint
 
+# Whole training runs in subprocesses against damaged checkpoints; `-m 'not slow'` leaves them out.
+pytestmark = pytest.mark.slow
+
 STEPS = 8
 ARGS = ["--config", "configs/tiny.py", f"--config.steps={STEPS}", "--config.seq_len=64", "--config.log_every=1",
         "--config.eval_every=0", "--config.checkpoint_every=4", "--config.checkpoint_keep=10",

@@ -16,6 +16,9 @@ import xla_fast
 from meshtrain.launch import free_port
 from test_recovery import command, losses, run, start, steps_on_disk, wait_for_step
 
+# Whole training runs in subprocesses under signals, locks and refusals; `-m 'not slow'` leaves them out.
+pytestmark = pytest.mark.slow
+
 
 def one_line_error(proc_or_err, *words):
   err = proc_or_err if isinstance(proc_or_err, str) else proc_or_err.stderr

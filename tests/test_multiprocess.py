@@ -49,6 +49,7 @@ def test_processes_match_one_process(single, tmp_path):
                restore_params(single, 4))
 
 
+@pytest.mark.slow
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
   # An unknown key fails in every process before the runtime starts; the launcher reports the first failure.
   proc = launch(2, 4, tmp_path, "--config.nope=1", timeout=120)
@@ -73,6 +74,7 @@ sys.exit(train.main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
 def test_a_process_35_s_late_is_waited_for(tmp_path):
   from meshtrain.launch import free_port
   args = [*ARGS, "--config.steps=2", "--config.eval_every=0", "--config.checkpoint_every=0", "--config.cpu_devices=4",

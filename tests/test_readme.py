@@ -5,6 +5,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
 
 
@@ -20,6 +22,7 @@ def quickstart_train_command() -> list[str]:
   return quickstart_commands("configs/tiny.py")[0]
 
 
+@pytest.mark.slow
 def test_quickstart_trains(tmp_path):
   argv = quickstart_train_command()
   argv[argv.index("--workdir") + 1] = str(tmp_path / "run")
@@ -31,6 +34,7 @@ def test_quickstart_trains(tmp_path):
   assert (tmp_path / "run" / "checkpoints" / "8").is_dir() and (tmp_path / "run" / "loss.png").exists()
 
 
+@pytest.mark.slow
 def test_quickstart_image_generator(tmp_path):
   """The DiT line trains (2 steps, with the sample grid at the end) and samples from its workdir."""
   train, sample = quickstart_commands("configs/dit_digits.py")
@@ -44,10 +48,11 @@ def test_quickstart_image_generator(tmp_path):
 
 
 def test_test_command_is_what_ci_runs():
-  # CI runs the README's command as written (the default python3's .venv), then the same in the newest Python's venv.
+  # CI runs the README's command as written (the default python3's .venv), then the same in the newest Python's venv
+  # without the tests marked slow.
   section = README.split("Run the tests", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
   ci = (pathlib.Path(__file__).parents[1] / ".ci" / "run").read_text()
-  assert section in ci and section.replace(".venv/", '"$venv"/') in ci
+  assert section in ci and section.replace(".venv/", '"$venv"/') + ' -m "not slow"' in ci
 
 
 def test_research_code_example(capsys):

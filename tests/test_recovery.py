@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 from ckpt_helpers import restore_params
 
+# Whole training runs in subprocesses, killed and resumed: the slowest file; `-m 'not slow'` leaves it out.
+pytestmark = pytest.mark.slow
+
 STEPS = 16
 ARGS = ["--config", "configs/tiny.py", "--config.steps=16", "--config.seq_len=64", "--config.log_every=1",
         "--config.eval_every=0", "--config.checkpoint_every=4", "--config.checkpoint_keep=10",

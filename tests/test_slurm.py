@@ -21,6 +21,9 @@ import pytest
 import xla_fast
 from ckpt_helpers import restore_params
 
+# Jobs on a real SLURM, minutes each; `-m 'not slow'` leaves them out.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster" / "local_slurm.sh"
 SBATCH = ROOT / "cluster" / "slurm.sbatch"
