@@ -32,6 +32,12 @@ import numpy as np
 from meshtrain import config as config_lib
 from meshtrain.errors import ArgumentParser, RunAborted, UserError
 
+# Decode runs at least this many rows (the rest padding). With one row XLA's CPU backend drops the unit batch
+# dimension and then copies every layer's keys transposed and its cache updates, every token: at the 125m shape 60
+# copies, ~90 MB of memory traffic per token beside ~500 MB of weights. With two there are none, and the extra row
+# costs nothing measurable in a step that streams every weight anyway. Prefill keeps its own rows (its work grows
+# with them); its state is padded at its end.
+DECODE_MIN_ROWS = 2
 STREAM_EVERY = 16  # tokens per decode call when streaming: one host round trip per 16 tokens costs ~nothing
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this, so nearby prompt lengths share one compiled prefill
 
@@ -334,8 +340,11 @@ class Generator:
       live_B = limit_B > 0  # rows that only pad the batch to a multiple of the batch axes have limit 0
       token_B = jnp.where(live_B, sample(logits_B1V[:, 0], jax.random.fold_in(key, 0), sampling, num_ids), pad)
       out_BT = jnp.full((B, T), pad, jnp.int32).at[:, 0].set(token_B)
-      return {"cache": cache, "out_BT": out_BT, "t": jnp.ones((), jnp.int32),
-              "done_B": ~live_B | stopped(token_B, 0, limit_B), "limit_B": limit_B, "key": key}
+      done_B = ~live_B | stopped(token_B, 0, limit_B)
+      R = max(B, DECODE_MIN_ROWS)  # rows decode runs: padding rows are done from the start, with limit 0
+      grow = lambda a, value: jnp.pad(a, [(0, R - B)] + [(0, 0)] * (a.ndim - 1), constant_values=value)
+      return {"cache": cache.padded(R), "out_BT": grow(out_BT, pad), "t": jnp.ones((), jnp.int32),
+              "done_B": grow(done_B, True), "limit_B": grow(limit_B, 0), "key": key}
 
     def decode(params, state, t_stop):
       """Tokens t .. t_stop-1 (fewer if every row stops first), in one while loop on the device."""

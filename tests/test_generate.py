@@ -2,6 +2,7 @@
 load_params."""
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -113,6 +114,17 @@ def test_prompts_in_one_batch_equal_each_alone(gen):
   together = gen.generate(PROMPTS, NEW, stop_at_eos=False).token_ids
   # Alone, the 5- and 1-token prompts are padded to 16 columns, not 32, and sit in a batch of one.
   assert together == [gen.generate([p], NEW, stop_at_eos=False).token_ids[0] for p in PROMPTS]
+
+
+def test_one_prompt_decodes_beside_a_padding_row_without_copying_the_cache(gen):
+  # With a single row, XLA's CPU backend copied every layer's cache (keys transposed) every token; decode runs a
+  # padding row beside it (generate.DECODE_MIN_ROWS). That it changes no token: the test above.
+  prefill, decode = gen._programs(1, 16, NEW, generate.Sampling(), False)
+  k_BKSE = prefill.out_info["cache"].k_NBKSE[0]
+  assert k_BKSE.shape[0] == 2 and prefill.out_info["out_BT"].shape[0] == 2
+  copied = [np.prod([int(n) for n in dims.split(",")]) for dims in
+            re.findall(r"f32\[([0-9,]+)\]\{[0-9,]*\} copy\(", decode.as_text())]
+  assert np.prod(k_BKSE.shape) // 2 not in copied and np.prod(k_BKSE.shape) not in copied, copied
 
 
 def test_seeded_sampling_is_reproducible(gen):

@@ -224,6 +224,12 @@ class KVCache:
   start_B: jax.Array  # int32 [B]
   end: jax.Array      # int32 scalar
 
+  def padded(self, rows: int) -> "KVCache":
+    """The cache with empty rows appended up to `rows` (their own tokens start at slot 0: never read)."""
+    grow = lambda a, axis: jnp.pad(a, [(0, rows - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)])
+    caches = [tuple(grow(a, 0) for a in x) if isinstance(x, tuple) else grow(x, 1) for x in (self.k_NBKSE, self.v_NBKSE)]
+    return self.replace(k_NBKSE=caches[0], v_NBKSE=caches[1], start_B=grow(self.start_B, 0))
+
 
 def init_cache(c: ModelConfig, batch: int, length: int, start_B) -> KVCache:
   """An empty cache of `length` slots for `batch` rows whose own tokens start at slot start_B (compute dtype),
