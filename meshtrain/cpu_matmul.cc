@@ -4,8 +4,9 @@
 // Why a kernel of our own: XLA's CPU dot runs [8, 768] x [50304, 768]^T (the 125m model's output projection at
 // batch 8) at ~23 GFLOP/s, ~3x the time it takes to read the weight once. Here each tile of 3 weight rows is read
 // from memory once, prefetched one tile ahead, and used against every activation row from L1 (register tiles of
-// 4 activation rows x 3 weight rows: 12 accumulators + 3 weight vectors fit AVX2's 16 registers). Rows of the
-// output are split over XLA's own intra-op thread pool. Built by meshtrain/cpu_matmul.py on first use.
+// activation rows x 3 weight rows: with AVX-512's 32 vector registers 8 x 3 accumulators of 16 floats, so decoding's
+// batch of 8 is one pass; with AVX2's 16, 4 x 3 of 8 floats). Rows of the output are split over XLA's own intra-op
+// thread pool. Built by meshtrain/cpu_matmul.py on first use, for the machine it runs on (-march=native).
 #include <algorithm>
 #include <cstdint>
 
@@ -15,29 +16,34 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// 8 floats; GCC/Clang vector extension (AVX2 on x86, two NEON registers on ARM). aligned(4): rows of any length.
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kRows = 8;  // 24 accumulators + 3 weight vectors + 1 activation vector of 32 registers
+#else
+constexpr int kLanes = 8, kRows = 4;   // 12 + 3 + 1 of AVX2's 16 (on ARM, pairs of NEON registers)
+#endif
+// kLanes floats; GCC/Clang vector extension. aligned(4): rows of any length.
+typedef float vec __attribute__((vector_size(4 * kLanes), aligned(4)));
 
-inline float HorizontalSum(v8 v) {
+inline float HorizontalSum(vec v) {
   float s = 0;
-  for (int i = 0; i < 8; ++i) s += v[i];
+  for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
 
 // Output rows m..m+R, columns n..n+C.
 template <int R, int C>
 inline void Tile(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t m, int64_t n) {
-  v8 acc[R][C] = {};
+  vec acc[R][C] = {};
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    v8 w_C[C];
+  for (; k + kLanes <= K; k += kLanes) {
+    vec w_C[C];
     for (int c = 0; c < C; ++c) {
       // The same place in the next tile of weight rows: one tile ahead, so memory stays busy while this one computes.
       __builtin_prefetch(w + (n + c + C) * K + k, 0, 0);
-      w_C[c] = *reinterpret_cast<const v8*>(w + (n + c) * K + k);
+      w_C[c] = *reinterpret_cast<const vec*>(w + (n + c) * K + k);
     }
     for (int r = 0; r < R; ++r) {
-      v8 x_r = *reinterpret_cast<const v8*>(x + (m + r) * K + k);
+      vec x_r = *reinterpret_cast<const vec*>(x + (m + r) * K + k);
       for (int c = 0; c < C; ++c) acc[r][c] += x_r * w_C[c];
     }
   }
@@ -50,15 +56,21 @@ inline void Tile(const float* x, const float* w, float* y, int64_t N, int64_t K,
   }
 }
 
+// The last `rows` (fewer than kRows) rows of x: Tile<rows, C>.
+template <int R, int C>
+inline void LastRows(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t m, int64_t n, int64_t rows) {
+  if (rows == R) {
+    Tile<R, C>(x, w, y, N, K, m, n);
+  } else if constexpr (R > 1) {
+    LastRows<R - 1, C>(x, w, y, N, K, m, n, rows);
+  }
+}
+
 template <int C>
 inline void Columns(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) Tile<4, C>(x, w, y, N, K, m, n);
-  switch (M - m) {
-    case 3: Tile<3, C>(x, w, y, N, K, m, n); break;
-    case 2: Tile<2, C>(x, w, y, N, K, m, n); break;
-    case 1: Tile<1, C>(x, w, y, N, K, m, n); break;
-  }
+  for (; m + kRows <= M; m += kRows) Tile<kRows, C>(x, w, y, N, K, m, n);
+  if (m < M) LastRows<kRows - 1, C>(x, w, y, N, K, m, n, M - m);
 }
 
 void Range(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {

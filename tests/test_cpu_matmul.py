@@ -10,9 +10,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain import cpu_matmul
 from meshtrain.mesh import make_mesh
 
-# Every tail of the kernel: rows of x by 4 (1-3 left), rows of w by 3 (1-2 left), k by 8 (1-7 left), and the
-# split over threads (the 50304-row output projection of the 125m model at decoding's batch 8).
-SHAPES = [(1, 1, 1), (2, 2, 7), (3, 4, 8), (4, 5, 9), (5, 7, 15), (8, 100, 64), (13, 31, 200), (8, 50304, 768)]
+# Every tail of the kernel: rows of x by 4 with AVX2, by 8 with AVX-512 (1-7 left), rows of w by 3 (1-2 left), k by
+# 8 or 16 (1-15 left), and the split over threads (the 50304-row output projection of the 125m model at decoding's
+# batch 8).
+SHAPES = [(1, 1, 1), (2, 2, 7), (3, 4, 8), (4, 5, 9), (5, 7, 15), (7, 3, 16), (8, 100, 64), (9, 4, 17), (13, 31, 200),
+          (15, 5, 33), (16, 6, 31), (8, 50304, 768)]
 
 
 def uses_kernel(f, *args) -> bool:
