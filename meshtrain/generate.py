@@ -624,4 +624,5 @@ class _Discard:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from meshtrain import runtime
+  runtime.run_main(main)

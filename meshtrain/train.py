@@ -297,4 +297,5 @@ def compiled_summary(compiled) -> str:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from meshtrain import runtime
+  runtime.run_main(main)

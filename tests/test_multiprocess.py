@@ -1,5 +1,7 @@
 """Several real processes (jax.distributed on 127.0.0.1, gloo) train exactly like one process with 8 devices."""
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -17,9 +19,19 @@ ARGS = ["--config", "configs/tiny.py", "--config.steps=4", "--config.seq_len=64"
 
 
 def launch(processes, devices, workdir, *extra, timeout=300):
-  return subprocess.run([sys.executable, "-m", "meshtrain.launch", "--processes", str(processes),
-                         "--devices-per-process", str(devices), "--", *ARGS, "--workdir", str(workdir), *extra],
-                        capture_output=True, text=True, timeout=timeout, env=xla_fast.env())
+  # In its own process group: on a timeout the launcher and its training processes are all stopped, and what they
+  # printed is in the failure (why one of them stopped and the others wait).
+  proc = subprocess.Popen([sys.executable, "-m", "meshtrain.launch", "--processes", str(processes),
+                           "--devices-per-process", str(devices), "--", *ARGS, "--workdir", str(workdir), *extra],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=xla_fast.env(),
+                          start_new_session=True)
+  try:
+    stdout, stderr = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate()
+    raise AssertionError(f"no exit within {timeout} s\n--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-6000:]}")
+  return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def losses(workdir):
@@ -87,3 +99,39 @@ def test_a_process_35_s_late_is_waited_for(tmp_path):
   outputs = [p.communicate(timeout=400)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
   assert "done: step 2" in outputs[0] and "Gloo context initialization failed" not in outputs[0]
+
+
+# One process of two fails after the distributed runtime started (here: a UserError where it builds the evaluation's
+# table; the other goes on to wait for it at the first step's barrier).
+FAILING_PROCESS = """
+import os, sys
+from meshtrain import layout, runtime, train
+from meshtrain.errors import UserError
+eval_extra = layout.Layout.eval_extra
+def failing(self, *args):
+  if os.environ["MESHTRAIN_PROCESS_ID"] == "1":
+    raise UserError("process 1 cannot go on")
+  return eval_extra(self, *args)
+layout.Layout.eval_extra = failing
+runtime.run_main(lambda: train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_failing_process_exits_at_once_not_after_the_runtime_shutdown_timeout(tmp_path):
+  # At a normal exit jax.distributed waits up to 300 s for every peer to shut down too; the launcher (or srun
+  # --kill-on-bad-exit) stops the others only once the failed one has exited.
+  from meshtrain.launch import free_port
+  args = [*ARGS, "--config.steps=2", "--config.checkpoint_every=0", "--config.cpu_devices=4", "--workdir", str(tmp_path)]
+  address = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen([sys.executable, "-c", FAILING_PROCESS, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**xla_fast.env(), "JAX_COORDINATOR_ADDRESS": address, "MESHTRAIN_NUM_PROCESSES": "2",
+                                 "MESHTRAIN_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu"}) for i in range(2)]
+  try:
+    out = procs[1].communicate(timeout=120)[0]  # start-up ~30 s here; the shutdown wait alone would be 300
+  finally:
+    for p in procs:
+      p.kill()
+  assert procs[1].returncode == 2 and "error: process 1 cannot go on" in out, out[-3000:]
+
