@@ -418,4 +418,5 @@ def format_verified(checked: list[Verified]) -> str:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from meshtrain import runtime
+  runtime.run_main(main)

@@ -201,8 +201,9 @@ _distributed = False  # this process joined a multi-process run (jax.distributed
 
 
 def run_main(main) -> None:
-  """`sys.exit(main())` for a command's `__main__`, except that a process of a multi-process run that fails (an exit
-  code, or an exception: its traceback is printed) ends at once. At a normal exit jax.distributed waits up to 300 s
+  """`sys.exit(main())` for the `__main__` of every command that starts the runtime (train, generate, sample, bench,
+  inspect, plan), except that a process of a multi-process run that fails (an exit code, or an exception: its
+  traceback is printed) ends at once. At a normal exit jax.distributed waits up to 300 s
   (its shutdown_timeout) for every peer to reach shutdown too, and peers blocked in a collective with the failed
   process never do: the launcher, srun --kill-on-bad-exit or a test saw the failure only 5 minutes later (a CI run's
   4-process test timed out so: three processes waited in a collective, the fourth in jax.distributed's shutdown)."""

@@ -350,4 +350,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from meshtrain import runtime
+  runtime.run_main(main)
