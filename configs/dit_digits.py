@@ -4,9 +4,11 @@
 
 Expect about 3.5 minutes on an idle 2-core CPU (3 min 30 s measured; 6.6 min while two other jobs shared the
 cores; compile ~15 s, 560-700 images/s): the loss falls from ~1.74 (v = 0 at init: E(eps - x0)^2 per pixel) to
-eval_loss ~0.41, and the 100 samples drawn at eval_every (20 Euler steps, guidance 2) are labelled as their class by the digits classifier
-(sample_accuracy in metrics.jsonl) 94% of the time at step 400, 99-100% at steps 600-800 (sample_frechet ~2).
-experiments/dit_tune.py and the README hold the tuning runs behind these settings. Sample a grid from the run:
+eval_loss ~0.41, and the 100 samples drawn at eval_every (20 Euler steps, guidance 2) are labelled as their class
+by the digits classifier (sample_accuracy in metrics.jsonl) 94% of the time at step 400, 99-100% at steps 600-800
+(sample_frechet ~2).
+experiments/dit_tune.py and benchmarks/2026-12-01-dit-tuning.md hold the tuning runs behind these settings. Sample a
+grid from the run:
   python -m meshtrain.sample --workdir runs/dit --out digits.png
 The layout changes without touching the model, e.g. FSDP x tensor:
   python -m meshtrain.train --config configs/dit_digits.py --workdir runs/dit_fsdp_tp \

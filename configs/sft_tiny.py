@@ -7,8 +7,8 @@ The first command trains the tiny model on the stdlib's text; the second starts 
 (init_from=runs/tiny: parameters only, fresh optimizer, step 0) on python_stdlib_sft, built on first use from the
 same files (prompt = a function's def line(s) and docstring, completion = its body; the loss counts the completion
 tokens only). It evaluates the loaded parameters at step 0, so the log shows the eval loss on held-out completions
-before and after: 2.38 at step 0, 1.99 at step 50, 1.86 at step 150 (nats per completion byte; README,
-Fine-tuning). Expect 2-3 minutes on an idle 2-core CPU (the dataset build adds ~20 s once).
+before and after: 2.38 at step 0, 1.99 at step 50, 1.86 at step 150 (nats per completion byte;
+benchmarks/2026-12-01-sft-tiny.md). Expect 2-3 minutes on an idle 2-core CPU (the dataset build adds ~20 s once).
 """
 from meshtrain.config import base_config
 

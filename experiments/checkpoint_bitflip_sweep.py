@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib  # noqa: E402
+from meshtrain.checkpoint import integrity  # noqa: E402
 from meshtrain.errors import UserError  # noqa: E402
 
 STEP = 8
@@ -51,10 +52,10 @@ def main():
   parser.add_argument("--data-flips", type=int, default=50, help="random flips per data file of 64 KiB or more")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--before", action="store_true", help="write the checkpoint as before checksums (Zarr v2)")
-  parser.add_argument("--array-checksum", default=checkpoint.ARRAY_CHECKSUM, choices=("crc32c", "zstd"))
+  parser.add_argument("--array-checksum", default=integrity.ARRAY_CHECKSUM, choices=("crc32c", "zstd"))
   args = parser.parse_args()
   root = pathlib.Path(tempfile.mkdtemp(prefix="bitflip_sweep_"))
-  checkpoint.ARRAY_CHECKSUM = args.array_checksum
+  integrity.ARRAY_CHECKSUM = args.array_checksum
 
   cfg = config_lib.load(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py"), [])
   cfg.seq_len = 64

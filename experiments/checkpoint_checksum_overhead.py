@@ -34,11 +34,12 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib  # noqa: E402
+from meshtrain.checkpoint import integrity  # noqa: E402
 import tensorstore as ts  # noqa: E402
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils  # noqa: E402
 
 VARIANTS = ("before", "zarr3", "crc32c", "zstd")
-CHECKSUM = {"before": None, "zarr3": None, "crc32c": "crc32c", "zstd": "zstd"}  # checkpoint.ARRAY_CHECKSUM
+CHECKSUM = {"before": None, "zarr3": None, "crc32c": "crc32c", "zstd": "zstd"}  # integrity.ARRAY_CHECKSUM
 
 
 def build_state():
@@ -82,7 +83,7 @@ def main():
   for r in range(args.rounds + 1):  # round 0 warms up (first-use compiles of Orbax's slicing programs)
     order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
     for v in order:
-      checkpoint.ARRAY_CHECKSUM = CHECKSUM[v]  # read by the hook whenever Orbax builds an array's metadata
+      integrity.ARRAY_CHECKSUM = CHECKSUM[v]  # read by the hook whenever Orbax builds an array's metadata
       ckpt, step = ckpts[v], r + 1
       t, c = time.perf_counter(), time.process_time()  # process_time: CPU seconds of all the process's threads
       ckpt.save(step, state, meta)
@@ -97,7 +98,7 @@ def main():
       if v != "before":  # the variant wrote what it claims
         store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{step_dir / 'state'}/"}).result()
         zarr = json.loads(store.read(b"params.embedding/zarr.json").result().value)
-        assert checkpoint._checksum_of(checkpoint._chunk_codecs(zarr)) == CHECKSUM[v], (v, zarr["codecs"])
+        assert integrity.checksum_of(integrity.chunk_codecs(zarr)) == CHECKSUM[v], (v, zarr["codecs"])
       sizes[v] = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
       shutil.rmtree(step_dir)  # one checkpoint on disk per variant at a time
       ckpt._manager.reload()

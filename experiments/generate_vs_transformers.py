@@ -43,7 +43,9 @@ jax.config.update("jax_num_cpu_devices", 1)
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from meshtrain import checkpoint, config as config_lib, convert, generate  # noqa: E402
+from meshtrain import checkpoint, config as config_lib  # noqa: E402
+from meshtrain.inference import generator  # noqa: E402
+from meshtrain.interop import hf as hf_interop  # noqa: E402
 from meshtrain.models import presets  # noqa: E402
 from meshtrain.models.llama import ModelConfig, Transformer  # noqa: E402
 
@@ -76,7 +78,7 @@ def make_workdir(shape: str, root: pathlib.Path, seq_len: int) -> tuple[pathlib.
     ckpt.wait()
   finally:
     ckpt.close()
-  convert.to_hf(str(workdir), None, str(hf_dir))
+  hf_interop.to_hf(str(workdir), None, str(hf_dir))
   sizes = {"params": sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params)),
            "param_bytes": sum(a.nbytes for a in jax.tree.leaves(params))}
   return workdir, hf_dir, {**sizes, **cfg.model.to_dict()}
@@ -167,7 +169,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
       seq_len = args.prompt_len + args.new_tokens
       workdir, hf_dir, info = make_workdir(SHAPES[shape], pathlib.Path(tmp), seq_len)
-      gen = generate.Generator.from_workdir(workdir, num_ids=info["vocab_size"])
+      gen = generator.Generator.from_workdir(workdir, num_ids=info["vocab_size"])
       hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
       for batch in batches:
         ids = prompts(batch, args.prompt_len)

@@ -1,7 +1,7 @@
 """The first GPU call: meshtrain's benchmark of the LLaMA-3.2-1B and LLaMA-3-8B shapes on one GPU, bf16, synthetic data.
 
   python3 experiments/gpu_bench.py --wheels    # here, with internet: what the GPU machine lacks -> experiments/wheels
-  python3 experiments/gpu_bench.py             # on the GPU machine, from the repository root (README "### GPU")
+  python3 experiments/gpu_bench.py             # on the GPU machine, from the repository root (docs/development.md, "The first GPU call")
   python3 experiments/gpu_bench.py --dry-run   # on a CPU: every step below at tiny shapes (CI, experiments/gpu_dryrun.sh)
 
 One call, in order; each step that imports JAX is its own process, so only one holds the GPU at a time:
@@ -20,7 +20,7 @@ One call, in order; each step that imports JAX is its own process, so only one h
    at most 7 files, within the tool's 8.
 The call ends within --budget seconds (default 540, under the tool's 600 s per command), whatever fails.
 
-Through the device tool (README "### GPU"): run(carry=["experiments/wheels"], command="python3
+Through the device tool (docs/development.md, "The first GPU call"): run(carry=["experiments/wheels"], command="python3
 experiments/gpu_bench.py", timeout_s=600), after `--wheels` here.
 """
 import argparse
@@ -80,7 +80,7 @@ def next_attempt(remat: str, attention: str, rc: int, log: str) -> tuple[str, st
 
 
 def summarize(rows: list[dict], attention_note: str) -> str:
-  """The table to record (README "### GPU"); never fails, whatever succeeded."""
+  """The table to record (docs/development.md, "The first GPU call"); never fails, whatever succeeded."""
   lines = [f"attention: {attention_note}"]
   ok = [r for r in rows if r.get("ok")]
   for r in ok:
@@ -163,8 +163,8 @@ def setup(call: Call) -> bool:
 
 def smoke(dry_run: bool) -> int:
   """Runs in its own process: JAX with meshtrain's flags, then cuDNN attention vs XLA's. Exit 0: cuDNN works."""
-  from meshtrain import runtime
-  os.environ["XLA_FLAGS"] = runtime.xla_flags("", os.environ.get("XLA_FLAGS", ""))  # exactly what bench sets
+  from meshtrain.runtime import startup
+  os.environ["XLA_FLAGS"] = startup.xla_flags("", os.environ.get("XLA_FLAGS", ""))  # exactly what bench sets
   print("XLA_FLAGS:", os.environ["XLA_FLAGS"], flush=True)
   import jax
   import jax.numpy as jnp

@@ -2,7 +2,7 @@
 
   python experiments/plan_validation.py [--steps 8] [--out experiments/plan_validation.json]
 
-For each layout: the planner's memory per device (meshtrain/estimate.py) vs the compiled figure (inspect), and
+For each layout: the planner's memory per device (meshtrain/analysis/estimate.py) vs the compiled figure (inspect), and
 its predicted step time (this machine's matmul peak and all-reduce bandwidth, measured here; the CPU runs
 collectives in sequence with compute, so no overlap) vs the step time `python -m meshtrain.bench` measures.
 Prints a table and the rank agreement for the pairs whose predicted times differ by more than 1.5x.
@@ -32,7 +32,8 @@ def predict() -> dict:
   from meshtrain import config as config_lib, runtime
   cfg = config_lib.load(CONFIG, [])
   runtime.start(cfg)
-  from meshtrain import estimate, inspect, mesh as mesh_lib, plan
+  from meshtrain import mesh as mesh_lib
+  from meshtrain.analysis import estimate, inspect, plan
   hw = plan.hardware("cpu", mesh_lib.make_mesh({"data": -1}), cfg.model.dtype)
   out = {"peak_flops_per_device": hw.peaks[cfg.model.dtype], "allreduce_bytes_per_s": hw.node_bw, "layouts": {}}
   for name, overrides in LAYOUTS.items():

@@ -6,6 +6,7 @@ types lazily (a typo surfaces as a traceback deep in the run); here every overri
 mistake is a `UserError` naming the key.
 """
 import ast
+import dataclasses
 import difflib
 import importlib.util
 import inspect
@@ -14,17 +15,14 @@ import os
 import pathlib
 import re
 import traceback
+from typing import Callable
 
 import ml_collections
 
 from meshtrain.errors import UserError
 from meshtrain import profiling
 from meshtrain.models import presets
-from meshtrain.tasks import KINDS as TASKS  # names only: meshtrain/tasks imports no JAX until a task is built
 
-# Fields that decide the shape of the train state: a checkpoint is only compatible when all of them match.
-SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_experts",
-                "tie_embeddings", "scan_layers", "param_dtype")
 # Fields that decide which tokens the batch at step k holds: a resumed run that changes one silently continues on
 # another data order, so resuming with a change needs allow_data_change. (data.data_dir is not among them: the
 # same dataset may move.)
@@ -32,15 +30,9 @@ SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_head
 # fingerprint (checkpoint meta "tokenizer"), so a moved file resumes and another file is refused outright.
 DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_key", "data.train_split",
                      "data.format", "data.prompt_key", "data.completion_key", "data.image_key", "data.label_key")
-DATA_FORMATS = ("text", "prompt_completion")  # meshtrain/data/pipeline.py and meshtrain/data/sft.py
-REMAT_POLICIES = ("none", "full", "save_dots")
-
-DIT_REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
-# distributed.barrier_timeout_s's default; also meshtrain.generate.Generator's, for research code without a config.
+# distributed.barrier_timeout_s's default; also inference.generator.Generator's, for research code without a config.
 BARRIER_TIMEOUT_S = 1200
-INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
-ATTENTION = ("auto", "blocked", "xla", "cudnn")  # meshtrain/models/attention.py (likewise)
 # Simulated CPU devices in one process, at most: the largest cluster `python -m meshtrain.inspect` compiles for.
 # Each costs host memory before anything runs (JAX start-up alone: 158 MB at 8 devices, 573 MB at 4,096, measured on
 # the CI machine) and every compile grows with the count; 100,000 ran silently past 5 GB.
@@ -58,20 +50,29 @@ MAX_SEED = 2**32 - 1
 # [namespace:]name[/config][:major.minor.patch][/kwargs].
 _TFDS_NAME = re.compile(r"^(?:[\w\-]+:)?[a-zA-Z]\w*(?:/[\w+\-.]+)?(?::(?:\d+|\*)(?:\.(?:\d+|\*)){2})?"
                         r"(?:/(?:\w+=[^,\s]+,?)+)?$")
-# The input pipeline (data.Batches) holds, per process, at most 4 batches of its rows: 2 read ahead by grain's
-# workers (each, while built, int32 inputs, targets and the packed [rows, seq_len + 1] array they are cut from), 1 in
-# grain's device-prefetch buffer and 1 in use; counted as 3 int32 arrays each: 4 x 3 x 4 bytes per token.
-BATCH_BUFFER_BYTES_PER_TOKEN = 4 * 3 * 4
-# task=dit: the same 4 batches in flight, each row a float32 image (counted twice: the uint8 decode is small, the
-# float32 array and its copy into the batch are not) plus its int32 label and uint32 noise seed.
-BATCH_BUFFER_BYTES_PER_PIXEL = 4 * 2 * 4
-BATCH_BUFFER_BYTES_PER_IMAGE = 4 * 2 * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskFields:
+  """What a task kind tells the config about its own fields. The tasks register themselves (meshtrain/tasks/
+  __init__.py, imported with the package: see meshtrain/__init__.py), so this module never imports a task, and
+  each task's fields are checked by the task's own module (JAX-free: a bad config is refused before JAX loads)."""
+  model_group: Callable  # (the config file's model group) -> the group with every field and default, or None: base's
+  check: Callable        # (cfg) -> None: the task's own fields, raising UserError
+  check_batch_memory: Callable  # (cfg, rows per process, "who holds them" text, host bytes) -> None
+
+
+TASKS: dict[str, TaskFields] = {}
+
+
+def register_task(kind: str, fields: TaskFields) -> None:
+  TASKS[kind] = fields
 
 
 def base_config() -> ml_collections.ConfigDict:
   """Every field meshtrain reads, with its default and meaning."""
   c = ml_collections.ConfigDict()
-  c.task = "lm"                 # what is trained (meshtrain/tasks): lm (a language model) | dit (a diffusion transformer)
+  c.task = "lm"                 # what is trained (meshtrain/tasks): lm (a language model) | dit (diffusion transformer)
   c.steps = 200                 # optimizer updates to train for (a resumed run stops at the same step)
   c.seed = 0                    # seeds parameter init and the data order; the batch at step k depends on (seed, k) only
   c.batch_size = 16             # global batch, in sequences, summed over all devices and micro-batches
@@ -83,92 +84,132 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_keep = 3         # keep the newest N checkpoints
   c.cpu_devices = 8             # devices to simulate when JAX runs on the CPU (ignored on GPUs)
   c.nonfinite = "stop"          # a step with NaN/inf loss or gradients: stop (keep the last good checkpoint) | skip
-  c.watchdog_s = 600.0          # no progress for this long (a hung collective, a dead peer): dump stacks, exit 4; 0: off
+  c.watchdog_s = 600.0          # no progress this long (a hung collective, a dead peer): dump stacks, exit 4; 0: off
   c.checkpoint_fallback = False  # latest checkpoint damaged: resume from the previous good one (renaming, not deleting)
-  c.allow_data_change = False   # resume although seed, batch_size, seq_len or the dataset changed (logged); else refused
+  c.allow_data_change = False   # resume though seed, batch_size, seq_len or the dataset changed (logged); else refused
   # Fine-tuning: start from the parameters of WORKDIR (its latest checkpoint), of WORKDIR/checkpoints/N, or of a
   # converted Hugging Face model (python -m meshtrain.convert from-hf): fresh optimizer, step 0, this run's data.
   # Ignored (and logged) once this run's workdir has checkpoints of its own: those resume.
   c.init_from = ""
   # Persistent XLA cache: a rerun skips compiling; "" disables. GPU/TPU only (see runtime.start for the CPU).
   c.compilation_cache_dir = "~/.cache/meshtrain/xla"
-  c.profile_steps = ""          # e.g. "20-24": jax.profiler trace of those steps in WORKDIR/profile (TensorBoard, Perfetto)
+  c.profile_steps = ""          # e.g. "20-24": jax.profiler trace of those steps in WORKDIR/profile (TensorBoard)
   c.xla_flags = ""              # extra XLA flags, after meshtrain's GPU defaults and $XLA_FLAGS (later flags win)
 
   # Several processes (hosts). Empty / -1: from the environment (meshtrain.launch, SLURM, Open MPI, Kubernetes).
-  c.distributed = ml_collections.ConfigDict()
-  c.distributed.coordinator_address = ""  # host:port of process 0's coordination service
-  c.distributed.coordinator_bind_address = ""  # where process 0 listens; "": the coordinator's own IP (see runtime.py)
-  c.distributed.num_processes = -1
-  c.distributed.process_id = -1
-  c.distributed.init_timeout_s = 300      # all processes must reach the coordinator within this time
-  c.distributed.heartbeat_timeout_s = 100  # a process silent this long is declared dead and the job stops
-  c.distributed.barrier_timeout_s = BARRIER_TIMEOUT_S   # longest wait for all processes at a barrier: start-up, checkpoints
+  c.distributed = _distributed_fields()
 
   # Mesh: size of each named axis inside one node (fast links). One size may be -1: filled from the device count.
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1              # pure data parallelism: batch split, parameters replicated
-  c.mesh.fsdp = 1               # ZeRO-3: batch split, parameters and optimizer state split along `embed`
-  c.mesh.tensor = 1             # Megatron tensor parallelism: heads, MLP width and vocab split
-  c.mesh.sequence = 1           # context parallelism: the sequence split through the model (ring attention)
-  c.mesh.expert = 1             # expert parallelism: MoE experts split (needs model.num_experts), batch split too
-  c.mesh.stage = 1              # pipeline parallelism: consecutive layers per stage (see `pipeline`)
-  # Sizes across nodes (slow links, one node per process or slice). -1 fills from the node count, so by
-  # default only data parallelism, the least traffic, crosses nodes.
-  c.mesh.nodes = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, sequence=1, expert=1, stage=1))
+  c.mesh = _mesh_fields()
 
-  c.sharding = ml_collections.ConfigDict()
-  c.sharding.rules = "fsdp_tp"  # logical-axis rules preset: dp | fsdp | tp | fsdp_tp (see meshtrain/sharding.py)
-  c.sharding.sequence_parallel = False  # Megatron sequence parallelism: residual stream split over `tensor` too
-  c.sharding.causal_load_balance = True  # with mesh.sequence > 1: zigzag token order so causal work is even
+  c.sharding = _sharding_fields()
 
   # Pipeline parallelism (mesh.stage > 1): the global batch is cut into micro-batches that flow through the stages.
-  c.pipeline = ml_collections.ConfigDict()
-  c.pipeline.microbatches = 4   # more micro-batches: smaller bubble ((stages-1)/(microbatches+stages-1) idle)
-  c.pipeline.schedule = "gpipe"  # gpipe | circular (each stage holds `repeats` non-adjacent layer groups)
-  c.pipeline.repeats = 1        # circular only: passes through the stages; bubble (S-1)/(repeats*M+S-1)
+  c.pipeline = _pipeline_fields()
 
   c.model = presets.model_config("tiny")
 
-  c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.learning_rate = 3e-3    # peak learning rate, reached after warmup
-  c.optimizer.warmup_steps = 20       # linear warmup from 0
-  c.optimizer.min_lr_ratio = 0.1      # cosine decays to learning_rate * min_lr_ratio at `steps`
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.95
-  c.optimizer.eps = 1e-8
-  c.optimizer.weight_decay = 0.1      # decoupled (AdamW); never applied to norm scales
-  c.optimizer.grad_clip = 1.0         # global-norm clipping; 0 disables
-  c.optimizer.grad_accum_steps = 1    # micro-batches per step: the batch is split, gradients are summed
+  c.optimizer = _optimizer_fields()
 
   # Fault injection, for testing the recovery paths; leave off in real runs.
-  c.faults = ml_collections.ConfigDict()
-  c.faults.nan_at_step = -1     # poison the gradients of this step with NaN
+  c.faults = _faults_fields()
 
-  c.data = ml_collections.ConfigDict()
-  c.data.name = "python_stdlib"  # python_stdlib (built locally) | synthetic | any TFDS dataset name
-  c.data.data_dir = ""           # TFDS data directory; "" = TFDS default (~/tensorflow_datasets)
-  c.data.text_key = "text"       # feature holding the text, for TFDS datasets
-  c.data.image_key = "image"     # task=dit: the image feature of a TFDS image dataset (uint8 [H, W, C])
-  c.data.label_key = "label"     # task=dit: its class-label feature (ClassLabel)
-  # text: documents packed into sequences, every token trained | prompt_completion: one example per row, the loss
-  # on the completion's tokens only (supervised fine-tuning; python_stdlib_sft is built locally)
-  c.data.format = "text"
-  c.data.prompt_key = "prompt"          # prompt_completion: the feature holding the prompt
-  c.data.completion_key = "completion"  # prompt_completion: the feature holding the completion
-  # byte (UTF-8 bytes + 3 specials) | PATH of a tokenizer.json, a SentencePiece .model or a directory holding one |
-  # bpe:N (a byte-level BPE of N ids trained on the train split on first use, cached under the data dir)
-  c.data.tokenizer = "byte"
-  c.data.train_split = "train"
-  c.data.eval_split = "validation"
+  c.data = _data_fields()
 
   # task=dit: sampling, during training (a grid and its quality at eval_every) and python -m meshtrain.sample's defaults
-  c.sample = ml_collections.ConfigDict()
-  c.sample.steps = 32           # Euler steps from noise (t = 1) to an image (t = 0)
-  c.sample.guidance = 1.0       # classifier-free guidance scale, >= 0: 0 unconditional, 1 conditional only, > 1 stronger
-  c.sample.per_class = 8        # images per class in the training-time grid and quality check
-  c.sample.seed = 0             # seeds the sampling noise
+  c.sample = _sample_fields()
   return c
+
+
+def _distributed_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.coordinator_address = ""  # host:port of process 0's coordination service
+  g.coordinator_bind_address = ""  # where process 0 listens; "": the coordinator's own IP (see runtime.py)
+  g.num_processes = -1
+  g.process_id = -1
+  g.init_timeout_s = 300      # all processes must reach the coordinator within this time
+  g.heartbeat_timeout_s = 100  # a process silent this long is declared dead and the job stops
+  g.barrier_timeout_s = BARRIER_TIMEOUT_S   # longest wait for all processes at a barrier: start-up, checkpoints
+  return g
+
+
+def _mesh_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.data = -1              # pure data parallelism: batch split, parameters replicated
+  g.fsdp = 1               # ZeRO-3: batch split, parameters and optimizer state split along `embed`
+  g.tensor = 1             # Megatron tensor parallelism: heads, MLP width and vocab split
+  g.sequence = 1           # context parallelism: the sequence split through the model (ring attention)
+  g.expert = 1             # expert parallelism: MoE experts split (needs model.num_experts), batch split too
+  g.stage = 1              # pipeline parallelism: consecutive layers per stage (see `pipeline`)
+  # Sizes across nodes (slow links, one node per process or slice). -1 fills from the node count, so by
+  # default only data parallelism, the least traffic, crosses nodes.
+  g.nodes = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, sequence=1, expert=1, stage=1))
+  return g
+
+
+def _sharding_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.rules = "fsdp_tp"  # logical-axis rules preset: dp | fsdp | tp | fsdp_tp (see meshtrain/sharding.py)
+  g.sequence_parallel = False  # Megatron sequence parallelism: residual stream split over `tensor` too
+  g.causal_load_balance = True  # with mesh.sequence > 1: zigzag token order so causal work is even
+  return g
+
+
+def _pipeline_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.microbatches = 4   # more micro-batches: smaller bubble ((stages-1)/(microbatches+stages-1) idle)
+  g.schedule = "gpipe"  # gpipe | circular (each stage holds `repeats` non-adjacent layer groups)
+  g.repeats = 1        # circular only: passes through the stages; bubble (S-1)/(repeats*M+S-1)
+  return g
+
+
+def _optimizer_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.learning_rate = 3e-3    # peak learning rate, reached after warmup
+  g.warmup_steps = 20       # linear warmup from 0
+  g.min_lr_ratio = 0.1      # cosine decays to learning_rate * min_lr_ratio at `steps`
+  g.b1 = 0.9
+  g.b2 = 0.95
+  g.eps = 1e-8
+  g.weight_decay = 0.1      # decoupled (AdamW); never applied to norm scales
+  g.grad_clip = 1.0         # global-norm clipping; 0 disables
+  g.grad_accum_steps = 1    # micro-batches per step: the batch is split, gradients are summed
+  return g
+
+
+def _faults_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.nan_at_step = -1     # poison the gradients of this step with NaN
+  return g
+
+
+def _data_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.name = "python_stdlib"  # python_stdlib (built locally) | synthetic | any TFDS dataset name
+  g.data_dir = ""           # TFDS data directory; "" = TFDS default (~/tensorflow_datasets)
+  g.text_key = "text"       # feature holding the text, for TFDS datasets
+  g.image_key = "image"     # task=dit: the image feature of a TFDS image dataset (uint8 [H, W, C])
+  g.label_key = "label"     # task=dit: its class-label feature (ClassLabel)
+  # text: documents packed into sequences, every token trained | prompt_completion: one example per row, the loss
+  # on the completion's tokens only (supervised fine-tuning; python_stdlib_sft is built locally)
+  g.format = "text"
+  g.prompt_key = "prompt"          # prompt_completion: the feature holding the prompt
+  g.completion_key = "completion"  # prompt_completion: the feature holding the completion
+  # byte (UTF-8 bytes + 3 specials) | PATH of a tokenizer.json, a SentencePiece .model or a directory holding one |
+  # bpe:N (a byte-level BPE of N ids trained on the train split on first use, cached under the data dir)
+  g.tokenizer = "byte"
+  g.train_split = "train"
+  g.eval_split = "validation"
+  return g
+
+
+def _sample_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.steps = 32           # Euler steps from noise (t = 1) to an image (t = 0)
+  g.guidance = 1.0       # classifier-free guidance scale, >= 0: 0 unconditional, 1 conditional only, > 1 stronger
+  g.per_class = 8        # images per class in the training-time grid and quality check
+  g.seed = 0             # seeds the sampling noise
+  return g
 
 
 def load(path: str, overrides: list[str]) -> ml_collections.ConfigDict:
@@ -269,8 +310,10 @@ def reference_config(cfg, where: str) -> ml_collections.ConfigDict:
   task = cfg.get("task", base.task)
   if task not in TASKS:
     raise UserError(f"{where} sets task={task!r}; choose one of {', '.join(TASKS)}")
-  if task == "dit" and isinstance(cfg.get("model"), ml_collections.ConfigDict) and "image_size" in cfg.model:
-    base.model = presets.dit_model_config(presets.DIT_PRESETS[0])
+  model = cfg.get("model")
+  group = TASKS[task].model_group(model) if isinstance(model, ml_collections.ConfigDict) else None
+  if group is not None:
+    base.model = group
   return base
 
 
@@ -322,8 +365,10 @@ def _check_fields(cfg, base, where: str) -> None:
                     "listed, with its meaning, in base_config() in meshtrain/config.py")
   if wrong:
     key, value, default = wrong[0]
+    shown_default = ("in base_config()" if isinstance(default, ml_collections.ConfigDict)
+                     else _one_line(repr(default), 80))
     raise UserError(f"{where} sets config key {key!r} to {_one_line(repr(value), 80)} ({type(value).__name__}); it "
-                    f"takes {_type_name(default)} (default {_one_line(repr(default), 80) if not isinstance(default, ml_collections.ConfigDict) else 'in base_config()'})")
+                    f"takes {_type_name(default)} (default {shown_default})")
 
 
 def apply_override(cfg: ml_collections.ConfigDict, item: str) -> str:
@@ -375,13 +420,14 @@ def _convert(key, raw, old):
       value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
       value = None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(old, int) and not isinstance(value, int)):
+    not_int = isinstance(old, int) and not isinstance(value, int)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not_int:
       raise UserError(f"config key {key!r} takes {'an integer' if isinstance(old, int) else 'a number'}, got {raw!r}")
     return type(old)(value)
   return raw
 
 
-def _check_choice(key, value, choices):
+def check_choice(key, value, choices):
   if value not in choices:
     raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(map(str, choices))}")
 
@@ -389,7 +435,7 @@ def _check_choice(key, value, choices):
 def validate(cfg: ml_collections.ConfigDict) -> None:
   """Checks everything that can be checked without devices; mesh and sharding checks come later, also before compile
   (layout.build and the task's own, meshtrain/tasks). The model fields are checked for cfg.task only."""
-  _check_choice("task", cfg.task, TASKS)
+  check_choice("task", cfg.task, TASKS)
   positive = {"distributed.init_timeout_s": cfg.distributed.init_timeout_s,
               "distributed.heartbeat_timeout_s": cfg.distributed.heartbeat_timeout_s,
               "distributed.barrier_timeout_s": cfg.distributed.barrier_timeout_s, "steps": cfg.steps,
@@ -406,12 +452,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
       raise UserError(f"config key {key!r} must be >= 0, got {value}")
   profiling.parse_steps(cfg.profile_steps)
   _check_values(cfg)
-  _check_choice("nonfinite", cfg.nonfinite, ("stop", "skip"))
+  check_choice("nonfinite", cfg.nonfinite, ("stop", "skip"))
   if cfg.pipeline.microbatches < 1 or cfg.pipeline.repeats < 1:
     raise UserError(f"pipeline.microbatches={cfg.pipeline.microbatches} and pipeline.repeats="
                     f"{cfg.pipeline.repeats} must be >= 1")
-  _check_choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "circular"))
-  # The one place this rule lives: everything after reads pipeline.repeats as given (tasks/lm.pipeline_repeats).
+  check_choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "circular"))
+  # The one place this rule lives: everything after reads pipeline.repeats as given
+  # (meshtrain/parallel/pipeline.py's pipeline_repeats).
   if cfg.pipeline.schedule == "gpipe" and cfg.pipeline.repeats != 1:
     raise UserError(f"pipeline.repeats={cfg.pipeline.repeats} needs pipeline.schedule=circular; GPipe makes one pass")
   accum = cfg.optimizer.grad_accum_steps
@@ -424,101 +471,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key, size in ((f"mesh.{axis}", cfg.mesh[axis]), (f"mesh.nodes.{axis}", cfg.mesh.nodes[axis])):
       if size == 0 or size < -1:
         raise UserError(f"config key {key!r} is {size}; axis sizes are positive, or -1 to fill from the device count")
-  if cfg.task == "dit":
-    _check_dit(cfg)
-  else:
-    _check_lm(cfg)
-
-
-def _check_lm(cfg) -> None:
-  """The language model's fields (task=lm)."""
-  m = cfg.model
-  positive = {"seq_len": cfg.seq_len, **{f"model.{k}": m[k] for k in ("vocab_size", "num_layers", "d_model",
-                                                                       "num_heads", "num_kv_heads", "head_dim",
-                                                                       "mlp_dim")}}
-  for key, value in positive.items():
-    if value <= 0:
-      raise UserError(f"config key {key!r} must be positive, got {value}")
-  if m.scan_unroll < 0:
-    raise UserError(f"config key 'model.scan_unroll' must be >= 0, got {m.scan_unroll}")
-  for key, value in (("model.init_std", m.init_std), ("model.norm_eps", m.norm_eps),
-                     ("model.rope_theta", m.rope_theta)):
-    if value <= 0:
-      raise UserError(f"config key {key!r} must be positive, got {value}")
-  for key, value in (("model.aux_loss_weight", m.aux_loss_weight),
-                     ("model.router_z_loss_weight", m.router_z_loss_weight)):
-    if value < 0:
-      raise UserError(f"config key {key!r} must be >= 0 (0 turns it off), got {value}")
-  _check_choice("model.remat", m.remat, REMAT_POLICIES)
-  _check_choice("model.dtype", m.dtype, DTYPES)
-  _check_choice("model.param_dtype", m.param_dtype, DTYPES)
-  _check_choice("model.attention", m.attention, ATTENTION)
-  _check_choice("model.context_attention", m.context_attention, ("ring", "allgather"))
-  _check_choice("model.init", m.init, INITS)
-  if m.scan_unroll > 1 and m.remat != "none":
-    raise UserError(f"model.scan_unroll={m.scan_unroll} with model.remat={m.remat}: XLA schedules the recomputation of "
-                    "unrolled layers next to the forward pass it repeats, so remat would save no memory; use "
-                    "model.scan_unroll=0 (auto) or 1")
-  if m.scan_unroll > 1 and cfg.mesh.sequence != 1:
-    raise UserError(f"model.scan_unroll={m.scan_unroll} with mesh.sequence={cfg.mesh.sequence}: unrolled ring-attention "
-                    "layers loaded from the persistent compilation cache deadlock on the CPU; use "
-                    "model.scan_unroll=0 (auto) or 1")
-  if m.num_experts < 0 or (m.num_experts and not 1 <= m.experts_per_token <= m.num_experts):
-    raise UserError(f"model.num_experts={m.num_experts}, model.experts_per_token={m.experts_per_token}: use "
-                    "num_experts=0 (dense MLP) or 1 <= experts_per_token <= num_experts")
-  if m.capacity_factor <= 0:
-    raise UserError(f"model.capacity_factor={m.capacity_factor} must be positive (1.0-2.0 is usual)")
-  if m.num_heads % m.num_kv_heads:
-    raise UserError(f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
-                    "grouped-query attention shares each KV head among num_heads/num_kv_heads query heads")
-  if m.head_dim % 2:
-    raise UserError(f"model.head_dim={m.head_dim} must be even for rotary position embedding")
-  _check_text_data(cfg)
-
-
-def _check_dit(cfg) -> None:
-  """The diffusion transformer's fields (task=dit: meshtrain/models/dit.py) and the sampling settings."""
-  m = cfg.model
-  if "image_size" not in m:
-    raise UserError("task=dit needs a diffusion-transformer model group (image_size, patch_size, num_classes, ...), "
-                    "and this config has a language model's; start from configs/dit_digits.py (c.model = "
-                    "presets.dit_model_config('digits'))")
-  for key in ("image_size", "channels", "patch_size", "num_classes", "d_model", "num_layers", "num_heads",
-              "mlp_dim"):
-    if m[key] <= 0:
-      raise UserError(f"config key 'model.{key}' must be positive, got {m[key]}")
-  if m.init_std <= 0:
-    raise UserError(f"config key 'model.init_std' must be positive, got {m.init_std}")
-  if m.image_size % m.patch_size:
-    raise UserError(f"model.image_size={m.image_size} is not divisible by model.patch_size={m.patch_size}; each "
-                    f"{m.patch_size}x{m.patch_size} patch is one token, so use a patch_size that divides the image "
-                    "size (e.g. 2 or 4 for 8x8 images)")
-  if m.d_model % m.num_heads:
-    raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; each head is "
-                    "d_model / num_heads wide")
-  if m.d_model % 4:
-    raise UserError(f"model.d_model={m.d_model} must be divisible by 4 for DiT's 2-D sin-cos position embedding "
-                    f"(half the width per coordinate, sin and cos); e.g. {4 * max(1, m.d_model // 4)}")
-  if not 0 <= m.class_dropout < 1:
-    raise UserError(f"model.class_dropout={m.class_dropout} must lie in [0, 1): the fraction of training labels "
-                    "replaced by the null class (0.1 is usual; 0 trains no unconditional model for guidance)")
-  _check_choice("model.remat", m.remat, DIT_REMAT_POLICIES)
-  _check_choice("model.dtype", m.dtype, DTYPES)
-  _check_choice("model.param_dtype", m.param_dtype, DTYPES)
-  s = cfg.sample
-  if s.steps <= 0 or s.per_class <= 0:
-    raise UserError(f"sample.steps={s.steps} and sample.per_class={s.per_class} must be positive")
-  if s.guidance < 0:
-    raise UserError(f"sample.guidance={s.guidance} must be >= 0 (classifier-free guidance scale: 0 unconditional, "
-                    "1 conditional only, above 1 stronger)")
-  if not 0 <= s.seed <= MAX_SEED:
-    raise UserError(f"sample.seed={s.seed} is out of range; use 0 <= seed <= {MAX_SEED}")
-  if cfg.init_from:
-    raise UserError(f"init_from={cfg.init_from!r}: fine-tuning from another run's parameters is for language models "
-                    "(task=lm) only so far; drop init_from to train the diffusion transformer from scratch")
-  for key in ("image_key", "label_key"):
-    if not cfg.data[key].strip():
-      raise UserError(f"data.{key} is empty; name the dataset's image and label features (e.g. image and label)")
+  TASKS[cfg.task].check(cfg)
 
 
 def _floats(node, prefix=""):
@@ -527,26 +480,6 @@ def _floats(node, prefix=""):
       yield from _floats(value, f"{prefix}{key}.")
     elif isinstance(value, float):
       yield prefix + key, value
-
-
-def _check_text_data(cfg) -> None:
-  """The text data's format and features (task=lm)."""
-  data = cfg.data
-  _check_choice("data.format", data.format, DATA_FORMATS)
-  if data.name == "python_stdlib_sft" and data.format != "prompt_completion":
-    raise UserError("data.name=python_stdlib_sft holds prompt/completion pairs, not documents; set "
-                    "data.format=prompt_completion (or use data.name=python_stdlib for the same files as text)")
-  if data.format == "prompt_completion":
-    if str(data.tokenizer).startswith("bpe:"):
-      raise UserError(f"data.tokenizer={data.tokenizer!r} trains a tokenizer on a text dataset, and "
-                      "data.format=prompt_completion data is for fine-tuning: use the tokenizer of the model in "
-                      "init_from (--config.data.tokenizer=WORKDIR/tokenizer) or byte")
-    if data.name == "synthetic":
-      raise UserError("data.format=prompt_completion needs a dataset with prompts and completions, and synthetic has "
-                      "none; use data.name=python_stdlib_sft (built locally) or a TFDS dataset with such features")
-    if not data.prompt_key.strip() or not data.completion_key.strip() or data.prompt_key == data.completion_key:
-      raise UserError(f"data.prompt_key={data.prompt_key!r} and data.completion_key={data.completion_key!r} must name "
-                      "two different features of the dataset (python_stdlib_sft: prompt and completion)")
 
 
 def _check_values(cfg) -> None:
@@ -593,7 +526,8 @@ def _check_values(cfg) -> None:
   for key, split in splits:
     if not split.strip():
       raise UserError(f"{key} is empty; name a split of the dataset, e.g. train, validation or a slice such as "
-                      "'train[:90%]'" + (" (or set eval_every=0 to skip evaluation)" if key == "data.eval_split" else ""))
+                      "'train[:90%]'" + (" (or set eval_every=0 to skip evaluation)" if key == "data.eval_split"
+                                         else ""))
   for key, value in (("data.data_dir", data.data_dir), ("compilation_cache_dir", cfg.compilation_cache_dir)):
     if value:
       check_directory(key, os.path.expanduser(value))
@@ -660,30 +594,14 @@ def host_memory_bytes() -> int:
 
 
 def check_batch_memory(cfg, processes: int | None = None, memory: int | None = None) -> None:
-  """Refuses a batch whose input-pipeline buffers alone cannot fit in this host's memory: each process holds 4
-  batches of its rows (see BATCH_BUFFER_BYTES_PER_TOKEN and BATCH_BUFFER_BYTES_PER_PIXEL), before the model needs
-  anything."""
+  """Refuses a batch whose input-pipeline buffers alone cannot fit in this host's memory (each task counts the bytes
+  of its rows), before the model needs anything."""
   processes = process_count_hint(cfg) if processes is None else processes
   memory = host_memory_bytes() if memory is None else memory
   rows = -(-cfg.batch_size // processes)
   per = f"{rows} of the {cfg.batch_size} rows per process ({processes} processes)" if processes > 1 else \
         f"batch_size={cfg.batch_size}"
-  if cfg.task == "dit":
-    m = cfg.model
-    pixels = m.image_size * m.image_size * m.channels
-    needed = rows * (pixels * BATCH_BUFFER_BYTES_PER_PIXEL + BATCH_BUFFER_BYTES_PER_IMAGE)
-    if needed > memory:
-      raise UserError(f"batch_size={cfg.batch_size} images of {m.image_size}x{m.image_size}x{m.channels}: for {per} "
-                      f"the input pipeline's buffers alone need {needed / 1e9:,.1f} GB (float32 pixels, 4 batches in "
-                      f"flight), more than this host's {memory / 1e9:,.1f} GB of memory; lower batch_size")
-    return
-  needed = rows * (cfg.seq_len + 1) * BATCH_BUFFER_BYTES_PER_TOKEN
-  if needed > memory:
-    raise UserError(f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} is {cfg.batch_size * cfg.seq_len:,} tokens "
-                    f"per step; for {per} the input pipeline's buffers alone need {needed / 1e9:,.1f} GB "
-                    f"({BATCH_BUFFER_BYTES_PER_TOKEN} bytes per token: int32 inputs, targets and packed rows, 4 "
-                    f"batches in flight), more than this host's {memory / 1e9:,.1f} GB of memory; lower seq_len or "
-                    "batch_size")
+  TASKS[cfg.task].check_batch_memory(cfg, rows, per, memory)
 
 
 def schedule_fields(cfg) -> tuple[str, ...]:

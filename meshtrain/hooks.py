@@ -1,6 +1,6 @@
 """The train loop's periodic work, as hook objects, and the timer that keeps paused work out of step time.
 
-The loop (meshtrain/train.py `_loop`) only loads batches and dispatches steps; everything else is a hook, called
+The loop (meshtrain/loop.py `_loop`) only loads batches and dispatches steps; everything else is a hook, called
 in list order (Levanter's hooks, nanodo's periodic actions). The protocol:
 
   class Hook:
@@ -19,10 +19,10 @@ its `run_at(step, run)` is called with the metrics due written first (metrics.js
 timer paused (its time is neither step time nor loop time). Evaluation, checkpoints and a task's own hooks
 (`task.hooks(run)`, e.g. the DiT sample grid) are Periodic.
 
-The loop's list, in order: Preemption, MetricsLog, Heartbeat, ProfileWindow, Evaluate (with eval_every),
-Checkpoint, then the task's (`task.hooks(run)`), then those passed to `train.train(cfg, workdir, hooks=[...])`
-(bench's loop clock). Every process runs every hook: work that calls compiled functions on sharded arrays must run
-on all processes alike; the writer writes on process 0 only.
+The loop's list (`for_loop`), in order: Preemption, MetricsLog, Heartbeat, ProfileWindow, Evaluate (with
+eval_every), Checkpoint, then the task's (`task.hooks(run)`), then those passed to `train.train(cfg, workdir,
+hooks=[...])` (bench's loop clock). Every process runs every hook: work that calls compiled functions on sharded
+arrays must run on all processes alike; the writer writes on process 0 only.
 
 `Run` is what hooks see: cfg, workdir, mesh, layout (layout.state_sharding.params, layout.batch_sharding), task,
 writer (MetricsWriter: write, print, image), timer (Timer: paused(), exclude()), ckpt (Checkpointer), start
@@ -283,6 +283,14 @@ class Evaluate(Periodic):
     # Handed over as fetched (numpy scalars), so the task divides in the sums' own precision.
     return {"step": step, **run.task.eval_record(jax.device_get(sums))}
 
+  def baseline(self, run: Run) -> None:
+    """Step 0's evaluation, the baseline a fine-tuning run's evaluations compare to; not part of the first step's
+    time."""
+    with run.timer.paused():
+      record = self.evaluate(0, run)
+      run.writer.write(record)
+      run.writer.print(f"step 0 (init_from): eval loss {record['eval_loss']:.4f}")
+
   def run_at(self, step: int, run: Run) -> None:
     record = self.evaluate(step, run)
     run.writer.write(record)
@@ -328,3 +336,13 @@ class Preemption(Hook):
     run.writer.print(f"preempted: saved step {step} to {run.ckpt.directory / str(step)}; rerun the same command to "
                      "resume")
     run.stopped = True
+
+
+def for_loop(run: Run, notice, profiler, evaluate: Evaluate | None, checkpoint_meta: dict, extra=()) -> Hooks:
+  """The loop's hooks in their order (see the module docstring): Preemption saves through the same Checkpoint hook,
+  `run.metrics_log` (set before) writes the metrics, `notice` is the PreemptionNotice, `profiler` the StepProfiler,
+  `checkpoint_meta` what every checkpoint's meta item holds besides the data position, `extra` the caller's."""
+  save = Checkpoint(run.cfg.checkpoint_every, checkpoint_meta)
+  task_hooks = run.task.hooks(run) if hasattr(run.task, "hooks") else []
+  return Hooks([Preemption(notice, save), run.metrics_log, Heartbeat(run.watchdog), ProfileWindow(profiler),
+                *([evaluate] if evaluate else []), save, *task_hooks, *extra])

@@ -21,17 +21,17 @@ from meshtrain.errors import ArgumentParser, UserError
 
 
 def train(cfg, vocab_size: int, out: str) -> dict:
-  from meshtrain.data import pipeline, tokenizer  # pylint: disable=g-import-not-at-top
+  from meshtrain.data import packing, sources, tokenizer  # pylint: disable=g-import-not-at-top
   if vocab_size < 256 + len(tokenizer.BPE_SPECIALS):
     raise UserError(f"--vocab-size {vocab_size} is too small: the 256 byte tokens and {len(tokenizer.BPE_SPECIALS)} "
                     f"specials come first; pass at least {256 + len(tokenizer.BPE_SPECIALS)}, e.g. 4096")
-  if cfg.data.name == pipeline.SYNTHETIC:
+  if cfg.data.name == sources.SYNTHETIC:
     raise UserError("data.name=synthetic has no text to train a tokenizer on; use a config with a TFDS dataset "
                     "(python_stdlib is built locally)")
   out_dir = pathlib.Path(out).expanduser()
   if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
     raise UserError(f"--out {out} exists and is not an empty directory; pass a new directory (nothing is overwritten)")
-  texts, info, _ = pipeline.train_texts(cfg)
+  texts, info, _ = packing.train_texts(cfg)
   t0 = time.perf_counter()
   try:
     tok = tokenizer.train_bpe(texts, vocab_size, out_dir, length=len(texts))
@@ -43,8 +43,8 @@ def train(cfg, vocab_size: int, out: str) -> dict:
 
 
 def show(cfg, text: str) -> dict:
-  from meshtrain.data import tokenizer  # pylint: disable=g-import-not-at-top
-  tok = tokenizer.for_config(cfg)
+  from meshtrain.data import select  # pylint: disable=g-import-not-at-top
+  tok = select.tokenizer_for_config(cfg)
   ids = tok.encode(text)
   return {"kind": tok.kind, "path": str(tok.path) if tok.path else None, "vocab_size": tok.vocab_size,
           "pad_id": tok.pad_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id, "fingerprint": tok.fingerprint,

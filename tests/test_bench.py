@@ -6,7 +6,8 @@ import sys
 import jax
 import pytest
 
-from meshtrain import config, layout, mesh, perf
+from meshtrain import config, layout, mesh
+from meshtrain.analysis import perf
 
 
 def hand_flops(L, D, H, K, E, F, V, layers, tied):

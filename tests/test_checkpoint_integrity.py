@@ -16,7 +16,7 @@ import pytest
 import tensorstore as ts
 from ckpt_helpers import restore_params, rewrite_without_checksums
 
-from meshtrain import checkpoint
+from meshtrain.checkpoint import checkpointer, integrity
 
 # Whole training runs in subprocesses against damaged checkpoints; `-m 'not slow'` leaves them out.
 pytestmark = pytest.mark.slow
@@ -92,10 +92,10 @@ def test_every_array_chunk_carries_a_checksum(reference):
   arrays = [key for key in store.list().result() if key.endswith(b"/zarr.json")]
   assert len(arrays) > 20  # parameters, both Adam moments, counters
   for key in arrays:
-    codecs = checkpoint._chunk_codecs(json.loads(store.read(key).result().value))
-    assert checkpoint._checksum_of(codecs) == checkpoint.ARRAY_CHECKSUM, (key, codecs)
+    codecs = integrity.chunk_codecs(json.loads(store.read(key).result().value))
+    assert integrity.checksum_of(codecs) == integrity.ARRAY_CHECKSUM, (key, codecs)
   meta = json.loads((step_dir / "meta" / "metadata").read_text())
-  assert meta["integrity"]["arrays"] == checkpoint.ARRAY_CHECKSUM and len(meta["integrity"]["meta_sha256"]) == 64
+  assert meta["integrity"]["arrays"] == integrity.ARRAY_CHECKSUM and len(meta["integrity"]["meta_sha256"]) == 64
 
 
 def test_flipped_bit_in_the_largest_data_file(reference, tmp_path):
@@ -203,7 +203,7 @@ def test_failed_save_keeps_orbax_tracebacks_out_of_the_terminal(tmp_path):
 
 def test_a_step_damaged_twice_keeps_both_copies(tmp_path):
   (tmp_path / "8.damaged").mkdir()
-  assert checkpoint._unused_name(tmp_path / "8.damaged").name == "8.damaged.2"
+  assert checkpointer._unused_name(tmp_path / "8.damaged").name == "8.damaged.2"
   (tmp_path / "8.damaged.2").mkdir()
-  assert checkpoint._unused_name(tmp_path / "8.damaged").name == "8.damaged.3"
-  assert checkpoint.DAMAGED_NAME.match("8.damaged.3") and not checkpoint.DAMAGED_NAME.match("8")
+  assert checkpointer._unused_name(tmp_path / "8.damaged").name == "8.damaged.3"
+  assert checkpointer.DAMAGED_NAME.match("8.damaged.3") and not checkpointer.DAMAGED_NAME.match("8")

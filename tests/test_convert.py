@@ -25,6 +25,7 @@ except ImportError as e:
                     "knowingly") from e
 
 from meshtrain import checkpoint, convert
+from meshtrain.interop import hf_tokenizer, weights
 from meshtrain.models.llama import ModelConfig, Transformer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def make_hf(path, *, tied=False, dtype=torch.float32, hidden=48, heads=4, kv_hea
         p.normal_(0, p.shape[1] ** -0.5)
   model.to(dtype).save_pretrained(path)
   if tokenizer:
-    (path / "tokenizer.json").write_text(convert.byte_tokenizer_json())
+    (path / "tokenizer.json").write_text(hf_tokenizer.byte_tokenizer_json())
   return path
 
 
@@ -167,9 +168,11 @@ def hf_greedy(path, prompt_BP, new):
 
 
 def meshtrain_greedy(workdir, prompt_BP, new):
-  """meshtrain.generate.Generator (prefill + KV-cache decode), greedy over the whole vocabulary as transformers."""
-  from meshtrain.generate import Generator
-  generator = Generator.from_workdir(workdir, num_ids=checkpoint.load_params(workdir)[1]["config"]["model"]["vocab_size"])
+  """meshtrain.inference.generator.Generator (prefill + KV-cache decode), greedy over the whole vocabulary as
+  transformers."""
+  from meshtrain.inference.generator import Generator
+  vocab_size = checkpoint.load_params(workdir)[1]["config"]["model"]["vocab_size"]
+  generator = Generator.from_workdir(workdir, num_ids=vocab_size)
   out = generator.generate([list(map(int, row)) for row in prompt_BP], max_new_tokens=new, stop_at_eos=False)
   return np.asarray(out.token_ids)
 
@@ -279,7 +282,7 @@ def test_sentencepiece_defaults_export_as_meshtrain_encodes(tmp_path):
   (tmp_path / "run" / "tokenizer" / "tokenizer.model").write_bytes(model.getvalue())
   (tmp_path / "hf").mkdir()
   ours = tokenizer_lib.from_workdir(tmp_path / "run")
-  convert.write_tokenizer(tmp_path / "hf", ours, tmp_path / "run", 64)
+  hf_tokenizer.write_tokenizer(tmp_path / "hf", ours, tmp_path / "run", 64)
   theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
   for text in [t for t in SP_TEXTS if "<s>" not in t] + ["ﬁ ＡＢＣ　x"]:
     ids = ours.encode(text).tolist()
@@ -301,7 +304,7 @@ def test_sentencepiece_run_exports_equal_logits_and_imports_back(sp_run, tmp_pat
   assert tokenizer_lib.from_workdir(tmp_path / "w").fingerprint == ours.fingerprint
   np.testing.assert_array_equal(meshtrain_logits(tmp_path / "w", tokens), meshtrain_logits(sp_run / "run", tokens))
   # Generate from text: the prompt encoded by that model, BOS in front (an imported model with a BOS gets one).
-  from meshtrain.generate import Generator
+  from meshtrain.inference.generator import Generator
   generator = Generator.from_workdir(tmp_path / "w")
   assert generator.encode(["def main("])[0].tolist() == [ours.bos_id, *ours.encode("def main(").tolist()]
   out = generator.generate(["def main("], max_new_tokens=4, stop_at_eos=False)
@@ -400,7 +403,7 @@ def test_failed_conversion_leaves_nothing(valid_hf, tmp_path, monkeypatch):
   def crash(directory, *args):
     (directory / "half-written").write_text("x")
     raise OSError("No space left on device")
-  monkeypatch.setattr(convert, "_save_params", crash)
+  monkeypatch.setattr(weights, "save_params", crash)
   with pytest.raises(OSError):
     run_convert("from-hf", valid_hf, "--workdir", tmp_path / "w")
   assert list(tmp_path.iterdir()) == []
@@ -422,9 +425,10 @@ def test_command_line_exit_code(tmp_path):
 MEASURE_CONVERSIONS = """
 import json, sys, threading
 import jax
-from meshtrain import checkpoint, convert
+from meshtrain import checkpoint
+from meshtrain.interop import hf, weights
 jax.devices()
-convert.SHARD_BYTES = int(sys.argv[4])
+weights.SHARD_BYTES = int(sys.argv[4])
 
 def anon():
   with open("/proc/self/status") as f:
@@ -444,9 +448,9 @@ def growth(run):
     sampler.join()
   return max(peak[0], anon()) - base
 
-hf, workdir, back = sys.argv[1:4]
-print(json.dumps({"from-hf": growth(lambda: convert.from_hf(hf, workdir)),
-                  "to-hf": growth(lambda: convert.to_hf(workdir, None, back))}))
+hf_dir, workdir, back = sys.argv[1:4]
+print(json.dumps({"from-hf": growth(lambda: hf.from_hf(hf_dir, workdir)),
+                  "to-hf": growth(lambda: hf.to_hf(workdir, None, back))}))
 """
 
 

@@ -1,4 +1,4 @@
-"""meshtrain.cpu_matmul: the decoding products' CPU kernel against a float64 reference, the same bits under any
+"""meshtrain.kernels.cpu_matmul: the decoding products' CPU kernel against a float64 reference, the same bits under any
 split of its rows (devices, threads), the split kept (no gather), and XLA's dot where it cannot be built."""
 import logging
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import cpu_matmul
+from meshtrain.kernels import cpu_matmul
 from meshtrain.mesh import make_mesh
 
 # Every tail of the kernel: rows of x by 4 with AVX2, by 8 with AVX-512 (1-7 left), rows of w by 3 (1-2 left), k by
@@ -66,7 +66,7 @@ def test_without_a_compiler_falls_back_to_xla(monkeypatch, tmp_path, caplog):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   cpu_matmul.available.cache_clear()
   try:
-    with caplog.at_level(logging.WARNING, logger="meshtrain.cpu_matmul"):
+    with caplog.at_level(logging.WARNING, logger="meshtrain.kernels.cpu_matmul"):
       assert not cpu_matmul.available()
     assert "uses XLA's dot instead" in caplog.text
     x = np.ones((2, 16), np.float32)

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 import tensorflow_datasets as tfds
 from meshtrain.config import base_config
 from meshtrain.data import (BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Batches, decode, encode, global_batch,
-                            make_source, pipeline, process_rows, stdlib_corpus, tokenizer)
+                            make_source, packing, process_rows, sources, stdlib_corpus, tfds_access,
+                            tokenizer)
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 
@@ -110,7 +111,7 @@ def test_packed_rows_reproduce_the_document_stream(stdlib_dir, seq_len, monkeypa
   assert (again["inputs"] == batch["inputs"][:3]).all()
 
   # The offsets were cached: a second source must not read every document again.
-  monkeypatch.setattr(pipeline._DocumentLength, "__call__", lambda self, record: 1 / 0)
+  monkeypatch.setattr(packing._DocumentLength, "__call__", lambda self, record: 1 / 0)
   src2 = make_source(make_cfg(stdlib_dir, seq_len=seq_len), split, shuffle=False)
   assert (src2.offsets == src.offsets).all()
   assert list(pathlib.Path(stdlib_dir, "meshtrain_index").rglob("*.npy"))
@@ -149,7 +150,7 @@ def test_bpe_source_packs_the_tokenized_stream(stdlib_dir, tmp_path, monkeypatch
   monkeypatch.undo()
   def read_only(path):
     raise PermissionError(13, "Permission denied", str(path))
-  monkeypatch.setattr(pipeline.tokenizer, "file_lock", read_only)  # the lock is the first write
+  monkeypatch.setattr(tfds_access, "file_lock", read_only)  # the lock is the first write
   uncached = make_source(make_cfg(stdlib_dir, seq_len=seq_len), "validation[:5]", shuffle=False, tok=tok)
   first = np.concatenate([np.append(tok.encode(text), tok.eos_id) for text in texts[:5]])
   assert uncached.num_tokens == len(first) and (uncached.rows(0, 2)["inputs"].reshape(-1) == first[:2 * seq_len]).all()
@@ -177,7 +178,7 @@ def test_batches_are_pure_functions_of_seed_and_step(stdlib_dir):
 
 @pytest.mark.parametrize("small_limit", [0, 1 << 30], ids=["grain_shuffle", "numpy_permutation"])
 def test_each_epoch_is_a_new_permutation(stdlib_dir, monkeypatch, small_limit):
-  monkeypatch.setattr(pipeline, "SMALL_PERMUTATION", small_limit)
+  monkeypatch.setattr(sources, "SMALL_PERMUTATION", small_limit)
   src = make_source(make_cfg(stdlib_dir, seq_len=1024), "validation[:30]", shuffle=True)
   n = src.num_sequences
   assert 100 < n < 5000
@@ -222,7 +223,7 @@ def test_batches(stdlib_dir, monkeypatch, grain_installed):
       for key in ("inputs", "targets"):
         assert (np.asarray(batch[key]) == src.rows(step, 8)[key]).all()
 
-  class Broken(pipeline.SyntheticSource):
+  class Broken(sources.SyntheticSource):
     def rows(self, step, *args):
       if step == 2:
         raise ValueError("disk on fire")
@@ -284,7 +285,8 @@ def test_missing_split(stdlib_dir):
 
 
 def test_missing_text_feature(stdlib_dir):
-  with pytest.raises(UserError, match="no feature data.text_key='body'; its features are: (text, path|path, text); set data.text_key"):
+  with pytest.raises(UserError, match="no feature data.text_key='body'; its features are: (text, path|path, text); "
+                     "set data.text_key"):
     make_source(make_cfg(stdlib_dir, data__text_key="body"), "train", shuffle=True)
 
 

@@ -144,7 +144,7 @@ def _matmul_flops(jaxpr) -> float:
       (lhs_contract, _), _ = eqn.params["dimension_numbers"]
       lhs = eqn.invars[0].aval.shape
       total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
-    for name, sub in eqn.params.items():
+    for sub in eqn.params.values():
       inner = getattr(sub, "jaxpr", sub)
       if hasattr(inner, "eqns"):
         total += _matmul_flops(inner) * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)

@@ -14,6 +14,7 @@ import pytest
 import xla_fast
 
 from meshtrain import checkpoint, config, generate, mesh as mesh_lib, sharding, train
+from meshtrain.inference import generator
 from meshtrain.errors import UserError
 from meshtrain.models.llama import ModelConfig, Transformer
 
@@ -63,7 +64,7 @@ def reference(params):
 
 
 def one_device(params, **kwargs):
-  return generate.Generator(params, MODEL, num_ids=MODEL.vocab_size, **kwargs)
+  return generator.Generator(params, MODEL, num_ids=MODEL.vocab_size, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_kv_cache_greedy_equals_full_recompute_one_device(gen, reference):
 def test_scanned_layer_stack_decodes_the_same(params, reference):
   # The cache with a leading layer axis, carried through nn.scan (Generator's default unrolls the layers).
   scanned = one_device(params, scan_layers=True)
-  prefill, _ = scanned._programs(3, 32, NEW, generate.Sampling(), False)
+  prefill, _ = scanned._programs(3, 32, NEW, generator.Sampling(), False)
   assert prefill.out_info["cache"].k_NBKSE.shape == (MODEL.num_layers, 3, 8, 32 + NEW - 1, 8)
   assert scanned.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
 
@@ -92,7 +93,7 @@ def test_mixture_of_experts_decodes_like_full_recompute():
   # experts / experts_per_token) nothing is dropped, so the cached decode must choose what recomputation does.
   model = dataclasses.replace(MODEL, num_experts=4, experts_per_token=2, capacity_factor=2.0)
   params = random_params(model)
-  out = generate.Generator(params, model, num_ids=model.vocab_size).generate(PROMPTS, NEW, stop_at_eos=False)
+  out = generator.Generator(params, model, num_ids=model.vocab_size).generate(PROMPTS, NEW, stop_at_eos=False)
   assert out.token_ids == greedy_by_recompute(model, params)
   assert len({tuple(row) for row in out.token_ids}) == len(PROMPTS)  # three prompts, three different continuations
 
@@ -101,8 +102,8 @@ def test_mixture_of_experts_decodes_like_full_recompute():
 def test_kv_cache_greedy_equals_full_recompute_on_meshes(params, reference, layout):
   sizes, rules = LAYOUTS[layout]
   mesh = mesh_lib.make_mesh(sizes)
-  gen = generate.Generator(params, MODEL, mesh=mesh, rules=sharding.rules_for(rules), num_ids=MODEL.vocab_size)
-  prefill, _ = gen._programs(8, 32, NEW, generate.Sampling(), False)  # the program generate() below runs
+  gen = generator.Generator(params, MODEL, mesh=mesh, rules=sharding.rules_for(rules), num_ids=MODEL.vocab_size)
+  prefill, _ = gen._programs(8, 32, NEW, generator.Sampling(), False)  # the program generate() below runs
   cache_spec = prefill.output_shardings["cache"].k_NBKSE[0].spec  # layer 0's [B, K, S, E]
   # The cache is sharded like the activations it holds: rows over the batch axes, kv heads over tensor.
   expected = {"data=8": ("data",), "fsdp=8": ("fsdp",), "tensor=8": (None, "tensor")}[layout]
@@ -118,8 +119,8 @@ def test_prompts_in_one_batch_equal_each_alone(gen):
 
 def test_one_prompt_decodes_beside_a_padding_row_without_copying_the_cache(gen):
   # With a single row, XLA's CPU backend copied every layer's cache (keys transposed) every token; decode runs a
-  # padding row beside it (generate.DECODE_MIN_ROWS). That it changes no token: the test above.
-  prefill, decode = gen._programs(1, 16, NEW, generate.Sampling(), False)
+  # padding row beside it (generator.DECODE_MIN_ROWS). That it changes no token: the test above.
+  prefill, decode = gen._programs(1, 16, NEW, generator.Sampling(), False)
   k_BKSE = prefill.out_info["cache"].k_NBKSE[0]
   assert k_BKSE.shape[0] == 2 and prefill.out_info["out_BT"].shape[0] == 2
   copied = [np.prod([int(n) for n in dims.split(",")]) for dims in
@@ -128,7 +129,7 @@ def test_one_prompt_decodes_beside_a_padding_row_without_copying_the_cache(gen):
 
 
 def test_seeded_sampling_is_reproducible(gen):
-  sampling = generate.Sampling(temperature=1.0, top_k=50, top_p=0.9)
+  sampling = generator.Sampling(temperature=1.0, top_k=50, top_p=0.9)
   first = gen.generate(PROMPTS, NEW, sampling, seed=3, stop_at_eos=False).token_ids
   assert gen.generate(PROMPTS, NEW, sampling, seed=3, stop_at_eos=False).token_ids == first
   assert gen.generate(PROMPTS, NEW, sampling, seed=4, stop_at_eos=False).token_ids != first
@@ -151,8 +152,9 @@ def test_context_limit_and_bad_input(params):
   assert out.finish_reasons == ["max_new_tokens", "context", "max_new_tokens"]
   with pytest.raises(UserError, match="prompt 0 is 20 tokens.*context.*20"):
     gen.generate([list(range(20))], 4)
-  for kwargs, match in [(dict(max_new_tokens=0), "at least 1"), (dict(sampling=generate.Sampling(-1.0)), "temperature"),
-                        (dict(sampling=generate.Sampling(1.0, top_p=0.0)), "top-p")]:
+  for kwargs, match in [(dict(max_new_tokens=0), "at least 1"),
+                        (dict(sampling=generator.Sampling(-1.0)), "temperature"),
+                        (dict(sampling=generator.Sampling(1.0, top_p=0.0)), "top-p")]:
     with pytest.raises(UserError, match=match):
       gen.generate(PROMPTS, **{"max_new_tokens": 4, **kwargs})
 
@@ -160,11 +162,12 @@ def test_context_limit_and_bad_input(params):
 
 TWO_PROCESS_API = """
 import json, pickle
-from meshtrain import generate, mesh as mesh_lib, sharding
+from meshtrain import mesh as mesh_lib, sharding
+from meshtrain.inference import generator
 params, model, prompts = pickle.loads(open(sys.argv[3], "rb").read())
 # tensor=8 over two processes of 4 devices: every layer's heads split across both (mesh.nodes.tensor=2).
 mesh = mesh_lib.make_mesh({"data": 1, "tensor": 4, "nodes": {"tensor": 2}})
-gen = generate.Generator(params, model, mesh=mesh, rules=sharding.rules_for("tp"), num_ids=model.vocab_size)
+gen = generator.Generator(params, model, mesh=mesh, rules=sharding.rules_for("tp"), num_ids=model.vocab_size)
 print("ids", json.dumps(gen.generate(prompts, 16, stop_at_eos=False).token_ids))
 """
 
@@ -263,7 +266,7 @@ def test_cli_two_processes_equal_one_process(workdir, capsys):
 def test_processes_given_different_prompts_all_exit_2(workdir):
   # Two processes (the launcher's variables, as srun would set SLURM's) whose prompts differ, as prompt files that
   # differ between hosts would: both refuse before compiling, instead of waiting on each other forever.
-  from meshtrain.launch import free_port
+  from meshtrain.runtime.launcher import free_port
   address = f"127.0.0.1:{free_port()}"
   procs = [subprocess.Popen([sys.executable, "-m", "meshtrain.generate", "--workdir", str(workdir), "--prompt", prompt,
                              "--max-new-tokens", "4", "--config.cpu_devices=4"], stdout=subprocess.PIPE,
@@ -301,12 +304,12 @@ def test_cli_missing_workdir(tmp_path, capsys):
   assert "no such directory" in capsys.readouterr().err
 
 
-def test_readme_example(workdir, capsys):
+def test_docs_example(workdir, capsys):
   import pathlib
   import re
-  readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-  section = readme.split("\n## Generate\n", 1)[1].split("\n## ", 1)[0]
+  page = (pathlib.Path(__file__).parents[1] / "docs" / "generation.md").read_text()
+  section = page.split("\n## In your own code\n", 1)[1].split("\n## ", 1)[0]
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace('"runs/tiny"', repr(str(workdir)))
-  exec(compile(code, "README example", "exec"), {})
+  exec(compile(code, "docs/generation.md example", "exec"), {})
   out = capsys.readouterr().out
   assert "tokens/s" in out and "(1, 3, 384)" in out and "P(None, 'fsdp', 'tensor', None)" in out

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import config, layout as layout_lib, mesh as mesh_lib, plan, runtime
+from meshtrain import config, layout as layout_lib, mesh as mesh_lib, runtime
+from meshtrain.analysis import plan
 from meshtrain.models import attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -167,10 +168,10 @@ def test_gpu_call_commands():
   assert len(keys) == len(set(keys)) and "--config.seq_len=128" in tiny and "--config.model.remat=full" in tiny
 
 
-def test_readme_gpu_call_is_the_scripts():
-  # The README's one-call procedure names what the script needs: the carried folder, its command, its wheels.
-  readme = (ROOT / "README.md").read_text()
-  section = readme.split("\n### GPU\n", 1)[1].split("\n### ", 1)[0]
+def test_docs_gpu_call_is_the_scripts():
+  # The docs' one-call procedure names what the script needs: the carried folder, its command, its wheels.
+  page = (ROOT / "docs" / "development.md").read_text()
+  section = page.split("\n## The first GPU call\n", 1)[1].split("\n## ", 1)[0]
   assert '`carry`: `["experiments/wheels"]`' in section
   assert "`command`: `python3 experiments/gpu_bench.py`" in section
   assert gpu_bench.WHEEL_DIR == ROOT / "experiments" / "wheels"

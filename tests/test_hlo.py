@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from meshtrain import hlo
+from meshtrain.analysis import hlo
 from meshtrain.mesh import AXES, make_mesh
-from meshtrain.hlo import Collective
+from meshtrain.analysis.hlo import Collective
 
 
 @pytest.fixture(scope="module")

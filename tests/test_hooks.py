@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from meshtrain import bench, hooks, train
+from meshtrain import hooks, train
+from meshtrain.analysis import bench
 from meshtrain.metrics import MetricsWriter
 
 

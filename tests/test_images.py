@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import mesh as mesh_lib
 from meshtrain.config import base_config
-from meshtrain.data import Batches, digits, global_batch, images, make_source, pipeline, process_rows
+from meshtrain.data import Batches, digits, global_batch, images, make_source, process_rows, sources
 from meshtrain.errors import UserError
 
 
@@ -76,7 +76,7 @@ def test_digits_build_refuses_unwritable_dir(tmp_path):
 
 
 def test_digits_rows(train_src):
-  src = train_src  # made by pipeline.make_source, which dispatches on task=dit
+  src = train_src  # made by select.make_source, which dispatches on task=dit
   assert isinstance(src, images.TfdsImageSource) and src.num_examples == 1433
   batch = src.rows(3, 16)
   assert batch["images"].shape == (16, 8, 8, 1) and batch["images"].dtype == np.float32
@@ -89,7 +89,7 @@ def test_digits_rows(train_src):
   assert (batch["labels"] == train_labels[records]).all()
   np.testing.assert_allclose(batch["images"], train_images[records] / 127.5 - 1, atol=1e-6)
   # seeds[r] is a hash of (seed, split, global example index).
-  assert batch["seeds"][5] == pipeline._derive_seed(0, "train", "noise", 3 * 16 + 5)
+  assert batch["seeds"][5] == sources.derive_seed(0, "train", "noise", 3 * 16 + 5)
   assert len(set(batch["seeds"].tolist())) == 16
 
 
@@ -122,7 +122,7 @@ def test_epochs_are_permutations(train_src):
 
 def test_large_splits_permute_without_a_table(tmp_path, monkeypatch):
   """From SMALL_PERMUTATION records on, grain's index shuffle (O(1) memory) orders each epoch instead."""
-  monkeypatch.setattr(pipeline, "SMALL_PERMUTATION", 16)
+  monkeypatch.setattr(sources, "SMALL_PERMUTATION", 16)
   with tfds.testing.mock_data(num_examples=40):
     src = make_source(image_cfg(tmp_path, name="mnist", image_size=28), "train", shuffle=True)
   assert src._large_order is not None

@@ -12,6 +12,7 @@ import pytest
 
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
+from meshtrain.kernels.cpu_matmul import OutInProducts
 from meshtrain.models import llama, moe, params as params_lib
 from meshtrain.models.llama import ModelConfig, Transformer
 
@@ -153,13 +154,13 @@ def test_config_checks_init():
 
 @pytest.mark.parametrize("init", ["normal", "fan_in"])
 def test_kernels_out_in_hold_the_same_numbers_transposed(init):
-  """Generation's layout (kernels_out_in: dense weights [out, in], meshtrain/generate.py) draws every weight in the
-  model's layout and transposes it: the same numbers, the logical axes permuted with them, every dense kernel
-  turned (untied head included) and nothing else."""
+  """Generation's layout on the CPU (OutInProducts: dense weights [out, in], meshtrain/kernels/cpu_matmul.py) draws
+  every weight in the model's layout and transposes it: the same numbers, the logical axes permuted with them,
+  every dense kernel turned (untied head included) and nothing else."""
   cfg = dataclasses.replace(CFG, init=init, tie_embeddings=False, scan_layers=False)
   tokens = jnp.zeros((1, 4), jnp.int32)
   given = Transformer(cfg).init(jax.random.key(3), tokens)["params"]
-  held = Transformer(dataclasses.replace(cfg, kernels_out_in=True)).init(jax.random.key(3), tokens)["params"]
+  held = Transformer(dataclasses.replace(cfg, products=OutInProducts())).init(jax.random.key(3), tokens)["params"]
   is_leaf = lambda x: isinstance(x, nn.LogicallyPartitioned)
   turned = []
   for (path, g), h in zip(jax.tree_util.tree_leaves_with_path(given, is_leaf=is_leaf),

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from meshtrain import config as config_lib, estimate, inspect, perf, plan
+from meshtrain import config as config_lib, inspect, plan
+from meshtrain.analysis import estimate, inspect as inspect_lib, perf, plan as plan_lib
 from meshtrain.errors import UserError
 
 TINY = "configs/tiny.py"
@@ -13,7 +14,7 @@ LAYERS = 4  # the tiny preset's depth, used in the hand counts below
 
 
 def compiled(path, *overrides):
-  return inspect.inspect(config_lib.load(path, list(overrides)))
+  return inspect_lib.inspect(config_lib.load(path, list(overrides)))
 
 
 @pytest.mark.parametrize("path, overrides", [
@@ -132,14 +133,14 @@ def test_bad_input_is_exit_2_without_traceback(capsys):
 
 def test_plan_node_size_defaults_to_the_gpus_node():
   # 64 H100s are 8 NVLink domains of 8, not one node of 64 (fsdp=64 over the network would be the "best" there).
-  assert plan.nodes_of(64, "h100", 0, 0) == (8, "H100 SXM 80GB nodes hold 8; --gpus-per-node N to change")
-  assert plan.nodes_of(4, "a100", 0, 0)[0] == 1  # part of one node
-  assert plan.nodes_of(64, "h100", 0, 4) == (16, "--gpus-per-node")
-  assert plan.nodes_of(64, "h100", 4, 0) == (4, "--nodes")
-  assert plan.nodes_of(64, "cpu", 0, 0) == (1, "this machine")
+  assert plan_lib.nodes_of(64, "h100", 0, 0) == (8, "H100 SXM 80GB nodes hold 8; --gpus-per-node N to change")
+  assert plan_lib.nodes_of(4, "a100", 0, 0)[0] == 1  # part of one node
+  assert plan_lib.nodes_of(64, "h100", 0, 4) == (16, "--gpus-per-node")
+  assert plan_lib.nodes_of(64, "h100", 4, 0) == (4, "--nodes")
+  assert plan_lib.nodes_of(64, "cpu", 0, 0) == (1, "this machine")
   for devices, nodes, per_node in ((12, 0, 0), (64, 8, 4), (12, 5, 0), (10, 0, 4)):
     with pytest.raises(UserError, match="--devices|--nodes"):
-      plan.nodes_of(devices, "h100", nodes, per_node)
+      plan_lib.nodes_of(devices, "h100", nodes, per_node)
   proc = subprocess.run([sys.executable, "-m", "meshtrain.plan", "--config", TINY, "--devices", "16", "--gpu", "h200",
                          "--verify", "0", "--json"], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -151,7 +152,7 @@ def test_plan_node_size_defaults_to_the_gpus_node():
 def _best(path, devices, gpu="h100", *overrides):
   cfg = config_lib.load(path, list(overrides))
   hw = perf.GPUS[gpu]
-  rows, seen = plan.rank(cfg, devices, 1, hw, hw.hbm_bytes, fused_attention=cfg.model.dtype == "bfloat16")
+  rows, seen = plan_lib.rank(cfg, devices, 1, hw, hw.hbm_bytes, fused_attention=cfg.model.dtype == "bfloat16")
   assert seen > 10 and rows
   return rows
 

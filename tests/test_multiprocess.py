@@ -30,7 +30,8 @@ def launch(processes, devices, workdir, *extra, timeout=300):
   except subprocess.TimeoutExpired:
     os.killpg(proc.pid, signal.SIGKILL)
     stdout, stderr = proc.communicate()
-    raise AssertionError(f"no exit within {timeout} s\n--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-6000:]}")
+    raise AssertionError(f"no exit within {timeout} s\n--- stdout\n{stdout[-6000:]}\n--- stderr\n"
+                         f"{stderr[-6000:]}") from None
   return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
@@ -74,21 +75,22 @@ def test_launcher_stops_everyone_when_one_fails(tmp_path):
 # "Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out ... 29.99s" and both aborted.
 LATE_PROCESS = """
 import sys, time
-from meshtrain import runtime, train
-initialize = runtime._initialize_distributed
+from meshtrain import train
+from meshtrain.runtime import startup
+initialize = startup._initialize_distributed
 def then_late(jax, cfg, settings):
   initialize(jax, cfg, settings)
   jax.devices()  # the backends connect here, all processes together; what comes after is each process's pace
   if settings["process_id"] == 1:
     time.sleep(float(sys.argv[1]))  # a slow host: loading data, restoring, compiling, or starved of CPU
-runtime._initialize_distributed = then_late
+startup._initialize_distributed = then_late
 sys.exit(train.main(sys.argv[2:]))
 """
 
 
 @pytest.mark.slow
 def test_a_process_35_s_late_is_waited_for(tmp_path):
-  from meshtrain.launch import free_port
+  from meshtrain.runtime.launcher import free_port
   args = [*ARGS, "--config.steps=2", "--config.eval_every=0", "--config.checkpoint_every=0", "--config.cpu_devices=4",
           "--workdir", str(tmp_path)]
   address = f"127.0.0.1:{free_port()}"
@@ -121,7 +123,7 @@ runtime.run_main(lambda: train.main(sys.argv[1:]))
 def test_a_failing_process_exits_at_once_not_after_the_runtime_shutdown_timeout(tmp_path):
   # At a normal exit jax.distributed waits up to 300 s for every peer to shut down too; the launcher (or srun
   # --kill-on-bad-exit) stops the others only once the failed one has exited.
-  from meshtrain.launch import free_port
+  from meshtrain.runtime.launcher import free_port
   args = [*ARGS, "--config.steps=2", "--config.checkpoint_every=0", "--config.cpu_devices=4", "--workdir", str(tmp_path)]
   address = f"127.0.0.1:{free_port()}"
   procs = [subprocess.Popen([sys.executable, "-c", FAILING_PROCESS, *args], stdout=subprocess.PIPE,

@@ -1,10 +1,11 @@
-"""inspect's expectation and plan for the DiT (task=dit): the analytic model (meshtrain/estimate.py with the task's
+"""inspect's expectation and plan for the DiT (task=dit): the analytic model (meshtrain/analysis/estimate.py with the task's
 cost model, meshtrain/tasks/dit.py) against the compiled train step, and plan's CLI on configs/dit_digits.py."""
 import json
 
 import pytest
 
-from meshtrain import config as config_lib, estimate, inspect, plan, tasks
+from meshtrain import config as config_lib, plan, tasks
+from meshtrain.analysis import estimate, inspect as inspect_lib
 from meshtrain.tasks import dit
 from test_bad_input import assert_one_error, run
 
@@ -42,7 +43,7 @@ def compiled():
 
   def get(name):
     if name not in reports:
-      reports[name] = inspect.inspect(config_lib.load(DIT, [*LAYOUTS[name], LOOP]))
+      reports[name] = inspect_lib.inspect(config_lib.load(DIT, [*LAYOUTS[name], LOOP]))
     return reports[name]
   return get
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from meshtrain import quality
 from meshtrain.data import digits
+from meshtrain.inference import quality
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The README's promises run: the Quickstart command (with fewer steps) and the research-code example."""
+"""The README's promises run: the Quickstart command (with fewer steps) and the research-code example of the docs;
+the README stays short and every docs page is in the site's nav."""
 import pathlib
 import re
 import shlex
@@ -7,7 +8,8 @@ import sys
 
 import pytest
 
-README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+ROOT = pathlib.Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
 
 
 def quickstart_commands(config: str) -> list[list[str]]:
@@ -56,9 +58,31 @@ def test_test_command_is_what_ci_runs():
 
 
 def test_research_code_example(capsys):
-  section = README.split("## Use the mesh and rules in your own code", 1)[1]
+  concepts = (ROOT / "docs" / "concepts.md").read_text()
+  section = concepts.split("## Use the mesh and rules in your own code", 1)[1]
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-  exec(compile(code, "README example", "exec"), {})
+  exec(compile(code, "docs/concepts.md example", "exec"), {})
   out = capsys.readouterr().out
   assert "w_in" in out and "(embed, mlp)" in out and "(fsdp, tensor)" in out
   assert "P('fsdp', 'tensor') (32, 256)" in out
+
+
+def test_readme_is_short():
+  # The README says what meshtrain is and how to start; the rest lives in docs/ and benchmarks/.
+  assert README.count("\n") <= 250, f"README.md has {README.count(chr(10))} lines; move the detail into docs/"
+
+
+def test_every_docs_page_is_in_the_nav():
+  # mkdocs.yml's nav lists every page, and every page it lists exists (`mkdocs build --strict` in CI checks links).
+  nav = re.findall(r"^\s*-\s*[^:\n]+:\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+  pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md"))
+  assert sorted(nav) == pages
+
+
+def test_every_benchmark_is_listed():
+  # Each dated measurement is listed in benchmarks/README.md and on the site's index page (docs/benchmarks.md).
+  index, site = (ROOT / "benchmarks" / "README.md").read_text(), (ROOT / "docs" / "benchmarks.md").read_text()
+  files = sorted(p.name for p in (ROOT / "benchmarks").glob("*.md") if p.name != "README.md")
+  assert files and all(re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md", f) for f in files), files
+  for name in files:
+    assert f"]({name})" in index and f"`{name}`" in site, name

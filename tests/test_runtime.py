@@ -6,7 +6,8 @@ import sys
 import pytest
 import yaml
 
-from meshtrain import config, runtime
+from meshtrain import config
+from meshtrain.runtime import cluster, startup
 from meshtrain.errors import UserError
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -31,7 +32,7 @@ def clean_env(monkeypatch):
 def settings(**dist):
   cfg = config.base_config()
   cfg.distributed.update(dist)
-  return runtime._cluster_settings(cfg.distributed)
+  return cluster.distributed_settings(cfg.distributed)
 
 
 def test_single_process_by_default(clean_env):
@@ -52,7 +53,7 @@ def test_launcher_and_kubernetes_environments(clean_env):
 
 
 def test_coordinator_bind_address(clean_env):
-  bind = runtime.bind_address
+  bind = cluster.bind_address
   assert bind("127.0.0.1:1234") == "127.0.0.1:1234"  # the local launcher: loopback only
   assert bind("localhost:1234") == "127.0.0.1:1234"
   assert bind("[::1]:1234") == "[::1]:1234"
@@ -116,13 +117,13 @@ def test_slurm_allocation_outside_srun_runs_one_process(clean_env, capsys, where
 
 
 def test_slurm_host_lists_and_task_counts():
-  assert runtime.first_host("n1") == "n1"
-  assert runtime.first_host("n[1-2]") == "n1"
-  assert runtime.first_host("gpu-[003-010,012]-ib,cpu1") == "gpu-003-ib"  # zero padding and a suffix kept
-  assert runtime.first_host("a[7,9],b[1-4]") == "a7"
-  assert runtime.first_host("rack[2-3]-gpu[05-06]") == "rack2-gpu05"
-  assert [runtime.tasks_on_node("2(x3),1", n) for n in range(4)] == [2, 2, 2, 1]
-  assert runtime.tasks_on_node("8", 0) == 8
+  assert cluster.first_host("n1") == "n1"
+  assert cluster.first_host("n[1-2]") == "n1"
+  assert cluster.first_host("gpu-[003-010,012]-ib,cpu1") == "gpu-003-ib"  # zero padding and a suffix kept
+  assert cluster.first_host("a[7,9],b[1-4]") == "a7"
+  assert cluster.first_host("rack[2-3]-gpu[05-06]") == "rack2-gpu05"
+  assert [cluster.tasks_on_node("2(x3),1", n) for n in range(4)] == [2, 2, 2, 1]
+  assert cluster.tasks_on_node("8", 0) == 8
 
 
 # runtime.start under srun with jax.distributed.initialize replaced: what meshtrain hands it, as JSON.
@@ -167,9 +168,9 @@ def test_initialisation_errors_say_what_failed():
   # A late peer (the runtime's own deadline) is reported as one; anything else with the runtime's own words.
   with pytest.raises(UserError, match=r"not all processes reached the coordinator within distributed\.init_timeout_s="
                                       r"300 s \(2 processes, coordinator n1:61441, this one is process 1\)"):
-    runtime._initialize_distributed(_Jax(RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")), cfg, settings)
+    startup._initialize_distributed(_Jax(RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")), cfg, settings)
   with pytest.raises(UserError) as e:
-    runtime._initialize_distributed(_Jax(ValueError("coordinator_address should be defined.")), cfg, {})
+    startup._initialize_distributed(_Jax(ValueError("coordinator_address should be defined.")), cfg, {})
   assert str(e.value) == ("the JAX distributed runtime did not start (processes and coordinator from Open MPI's "
                           "variables): ValueError: coordinator_address should be defined.")
 
@@ -182,10 +183,10 @@ def test_incomplete_or_inconsistent_settings(clean_env):
 
 
 def test_user_flags_come_after_meshtrain_defaults():
-  flags = runtime.xla_flags("--xla_gpu_enable_latency_hiding_scheduler=false", "--xla_dump_to=/tmp/x").split()
+  flags = startup.xla_flags("--xla_gpu_enable_latency_hiding_scheduler=false", "--xla_dump_to=/tmp/x").split()
   assert flags[0].startswith("--xla_gpu_enable_latency_hiding_scheduler=true")
   assert flags[-2:] == ["--xla_dump_to=/tmp/x", "--xla_gpu_enable_latency_hiding_scheduler=false"]
-  # Simulated CPU devices on a busy host must not hit XLA's 60 s collective abort (see runtime.CPU_XLA_FLAGS).
+  # Simulated CPU devices on a busy host must not hit XLA's 60 s collective abort (see startup.CPU_XLA_FLAGS).
   assert "--xla_cpu_collective_call_terminate_timeout_seconds=600" in flags
 
 

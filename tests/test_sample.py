@@ -9,12 +9,13 @@ import pytest
 from PIL import Image
 
 from meshtrain import checkpoint, sample
+from meshtrain.inference import dit_sampler
 from meshtrain.errors import UserError
 
 
 def grid_cell(grid, row, col, cell):
   """The pixels of image `col` of grid row `row` (col -1: the label square), as grid_image lays them out."""
-  gap = sample.GRID_GAP_PX
+  gap = dit_sampler.GRID_GAP_PX
   top, left = gap + row * (cell + gap), gap + (1 + col) * (cell + gap)
   return grid[top:top + cell, left:left + cell]
 
@@ -23,7 +24,7 @@ def test_grid_rows_are_classes_with_labels(tmp_path):
   rng = np.random.default_rng(0)
   images = rng.uniform(0, 1, (7, 8, 8, 1)).astype(np.float32)
   labels = np.array([3, 1, 3, 1, 7, 3, 1])
-  grid = sample.save_grid(tmp_path / "g" / "grid.png", images, labels)
+  grid = dit_sampler.save_grid(tmp_path / "g" / "grid.png", images, labels)
   cell = 48  # 8x8 upscaled 6x
   assert grid.dtype == np.uint8 and grid.shape == (2 + 3 * (cell + 2), 2 + 4 * (cell + 2), 1)
   # Rows 1, 3, 7 (ascending); in each, that class's images in their order, upscaled by repetition.
@@ -31,7 +32,7 @@ def test_grid_rows_are_classes_with_labels(tmp_path):
     for col, i in enumerate(members):
       want = np.round(images[i] * 255).astype(np.uint8).repeat(6, 0).repeat(6, 1)
       assert (grid_cell(grid, row, col, cell) == want).all()
-  assert (grid_cell(grid, 2, 1, cell) == sample.GRID_BACKGROUND).all()  # class 7 has one image: the rest is empty
+  assert (grid_cell(grid, 2, 1, cell) == dit_sampler.GRID_BACKGROUND).all()  # class 7 has one image: the rest is empty
   labels_drawn = [grid_cell(grid, row, -1, cell) for row in range(3)]
   assert all((square > 200).sum() > 20 for square in labels_drawn)  # white text on black
   assert not (labels_drawn[0] == labels_drawn[1]).all() and not (labels_drawn[1] == labels_drawn[2]).all()
@@ -44,26 +45,26 @@ def test_grid_clips_and_takes_colour():
   images = np.zeros((2, 28, 28, 3), np.float32)
   images[0] = 1.7   # past the range: white
   images[1, ..., 2] = -0.5  # below it: black
-  grid = sample.grid_image(images, [0, 0])
+  grid = dit_sampler.grid_image(images, [0, 0])
   assert grid.shape == (2 + 56 + 2, 2 + 3 * (56 + 2), 3)  # 28x28 upscaled 2x
   assert (grid_cell(grid, 0, 0, 56) == 255).all() and (grid_cell(grid, 0, 1, 56) == 0).all()
   with pytest.raises(ValueError, match="a grid needs images"):
-    sample.grid_image(np.zeros((2, 8, 8)), [0, 1])
+    dit_sampler.grid_image(np.zeros((2, 8, 8)), [0, 1])
 
 
 def test_save_samples(tmp_path):
   images = np.random.default_rng(0).uniform(0, 1, (4, 8, 8, 1))
   labels = [2, 2, 5, 5]
-  sample.save_samples(tmp_path / "s.npz", images, labels)
+  dit_sampler.save_samples(tmp_path / "s.npz", images, labels)
   with np.load(tmp_path / "s.npz") as f:
     assert f["images"].dtype == np.float32 and f["labels"].dtype == np.int32
     assert np.allclose(f["images"], images) and (f["labels"] == labels).all()
-  assert sample.save_samples(tmp_path / "s.npy", images, labels) == [tmp_path / "s.npy", tmp_path / "s.labels.npy"]
+  assert dit_sampler.save_samples(tmp_path / "s.npy", images, labels) == [tmp_path / "s.npy", tmp_path / "s.labels.npy"]
   assert np.allclose(np.load(tmp_path / "s.npy"), images) and (np.load(tmp_path / "s.labels.npy") == labels).all()
 
 
 def test_class_labels_fix_each_images_noise():
-  labels, index = sample.class_labels([4, 0], 3)
+  labels, index = dit_sampler.class_labels([4, 0], 3)
   assert labels.tolist() == [4, 4, 4, 0, 0, 0] and index.tolist() == [0, 1, 2, 0, 1, 2]
   assert sample.parse_classes("3, 1,3", 10) == [3, 1]
   for text, message in (("1,x", "must be comma-separated class numbers"), (",", "names no class"),
@@ -104,12 +105,12 @@ def hook_run(tmp_path, monkeypatch, data_name="digits"):
       assert params == "params" and seed == 4
       return np.stack([test_images[np.flatnonzero(test_labels == c)[k]] / 255 for c, k in zip(labels, index)])
 
-  monkeypatch.setattr(sample, "Sampler", Digits)
+  monkeypatch.setattr(dit_sampler, "Sampler", Digits)
   cfg = ml_collections.ConfigDict(dict(eval_every=10, data=dict(name=data_name), model=dict(num_classes=10),
                                        sample=dict(steps=3, guidance=1.5, per_class=5, seed=4)))
   run = types.SimpleNamespace(cfg=cfg, workdir=tmp_path, layout="layout", params="params", writer=FakeWriter(),
                               beat=lambda step, what: None)
-  return sample.SampleHook(cfg), run
+  return dit_sampler.SampleHook(cfg), run
 
 
 def test_sample_hook(tmp_path, monkeypatch):
@@ -257,7 +258,7 @@ def test_hook_writes_grid_and_quality(dit_run):
   scores = [r for r in records if "sample_accuracy" in r]
   assert [r["step"] for r in scores] == [2]
   assert 0 <= scores[0]["sample_accuracy"] <= 1 and scores[0]["sample_frechet"] > 0
-  grid = np.asarray(Image.open(dit_run / sample.SAMPLES_DIR / "step_2.png"))
+  grid = np.asarray(Image.open(dit_run / dit_sampler.SAMPLES_DIR / "step_2.png"))
   assert grid.shape == (2 + 10 * 50, 2 + 3 * 50)  # 10 classes x (label + 2 images), 48-px cells
 
 
@@ -271,7 +272,7 @@ def test_cli_reproduces_the_runs_grid_on_another_mesh(dit_run, tmp_path, capsys)
                       r"\(digits judge\)\n", line), line
   # The run's settings and noise on a data x fsdp x tensor mesh: the picture the hook drew on data=8.
   ours = np.asarray(Image.open(tmp_path / "all.png")).astype(int)
-  hooks = np.asarray(Image.open(dit_run / sample.SAMPLES_DIR / "step_2.png")).astype(int)
+  hooks = np.asarray(Image.open(dit_run / dit_sampler.SAMPLES_DIR / "step_2.png")).astype(int)
   assert ours.shape == hooks.shape and np.abs(ours - hooks).max() <= 1
   # Fewer classes, more images, on a third mesh: image k of class c is the same image.
   assert sample.main(["--workdir", str(dit_run), "--config.cpu_devices=8", "--config.mesh.data=1",

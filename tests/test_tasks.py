@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain import config as config_lib, layout as layout_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
 from meshtrain.models import moe
+from meshtrain.tasks import dit_config as dit_fields
 
 
 # --- The language model's train step before the task interface (meshtrain/step.py at commit 8aea0d2), verbatim
@@ -164,7 +165,7 @@ def test_task_is_one_of_the_kinds_and_needs_its_model_group():
 def test_batch_memory_check_counts_images_for_dit():
   cfg = dit_config()
   cfg.batch_size = 1024
-  row = 8 * 8 * 1 * config_lib.BATCH_BUFFER_BYTES_PER_PIXEL + config_lib.BATCH_BUFFER_BYTES_PER_IMAGE
+  row = 8 * 8 * 1 * dit_fields.BATCH_BUFFER_BYTES_PER_PIXEL + dit_fields.BATCH_BUFFER_BYTES_PER_IMAGE
   config_lib.check_batch_memory(cfg, processes=1, memory=1024 * row)  # exactly fits
   with pytest.raises(UserError, match="batch_size=1024 images of 8x8x1"):
     config_lib.check_batch_memory(cfg, processes=1, memory=1024 * row - 1)

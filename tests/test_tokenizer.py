@@ -11,7 +11,7 @@ import pytest
 
 from meshtrain import layout as layout_lib, mesh as mesh_lib, tokenizer as tokenizer_cli, train
 from meshtrain.config import base_config
-from meshtrain.data import pipeline, tokenizer
+from meshtrain.data import packing, select, tokenizer
 from meshtrain.errors import UserError
 
 TEXTS = [
@@ -155,14 +155,14 @@ def test_bpe_spec_is_trained_once_and_cached(tmp_path, monkeypatch):
   cfg = base_config()
   cfg.data.train_split = "train[:25]"
   cfg.data.tokenizer = "bpe:320"
-  texts, info, root = pipeline.train_texts(cfg)
+  texts, info, root = packing.train_texts(cfg)
   cached = root / "meshtrain_tokenizers" / info.full_name.replace("/", "__") / "bpe320-train_25_-text"
   shutil.rmtree(cached, ignore_errors=True)
-  first = tokenizer.for_config(cfg)
+  first = select.tokenizer_for_config(cfg)
   assert first.vocab_size == 320 and first.path == cached / "tokenizer.json"
   assert len(texts) == 25
   monkeypatch.setattr(tokenizer, "train_bpe", lambda *a, **k: 1 / 0)  # a second use must not train again
-  assert tokenizer.for_config(cfg).fingerprint == first.fingerprint
+  assert select.tokenizer_for_config(cfg).fingerprint == first.fingerprint
   shutil.rmtree(cached)
 
 

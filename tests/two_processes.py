@@ -4,7 +4,7 @@ import pathlib
 import subprocess
 import sys
 
-from meshtrain.launch import free_port
+from meshtrain.runtime.launcher import free_port
 
 # Prepended to every script: the runtime is up and sys.argv[3:] are the caller's arguments.
 PREAMBLE = """

@@ -6,9 +6,9 @@ other bit for bit (tests/test_recovery.py) keep the default, optimised code. Num
 """
 import os
 
-from meshtrain.runtime import CPU_XLA_FLAGS
+from meshtrain.runtime.startup import CPU_XLA_FLAGS
 
-# The collective timeout (see meshtrain.runtime) matters most here: two pytest workers and their subprocesses
+# The collective timeout (see meshtrain.runtime.startup) matters most here: two pytest workers and their subprocesses
 # share 2 cores, and CI once lost a worker (tests/test_context_attention.py) to what looks like XLA's 60 s abort.
 FLAGS = " ".join(("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true") + CPU_XLA_FLAGS)
 

@@ -2,7 +2,7 @@
 
 scikit-learn ships the UCI data inside the package, so nothing is downloaded. `load_split` is the one definition
 of the split; the TFDS dataset built from it (`build`, on first use under data.data_dir, like python_stdlib) and the
-quality classifier (meshtrain/quality.py) both read it. As a TFDS dataset it goes through the same code path as
+quality classifier (inference/quality.py) both read it. As a TFDS dataset it goes through the same code path as
 any other TFDS image dataset (meshtrain/data/images.py): features `image` (8, 8, 1) uint8 and `label`
 ClassLabel(10), splits `train` (1,433) and `test` (364), array_record files read by random access.
 
@@ -12,6 +12,8 @@ where TFDS is not installed (the GPU machines).
 import functools
 
 import numpy as np
+
+from meshtrain.data import tfds_access
 
 NAME = "digits"
 NUM_CLASSES = 10
@@ -87,6 +89,5 @@ def builder_class():
 def build(data_dir: str = ""):
   """Builds `digits` under `data_dir` ("" = TFDS default) unless it is there; returns the builder. Locked against
   other processes on the host and atomic (TFDS renames a finished temporary directory into place), like
-  python_stdlib (meshtrain/data/stdlib_corpus.py, whose `build` does the work and its error messages)."""
-  from meshtrain.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
-  return stdlib_corpus.build(data_dir, builder_class())
+  python_stdlib (meshtrain/data/tfds_access.py's `build` does the work and its error messages)."""
+  return tfds_access.build(data_dir, builder_class())

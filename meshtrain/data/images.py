@@ -1,7 +1,7 @@
 """Image sources: labelled images of a TFDS dataset (or random ones) as deterministic batches for task=dit.
 
 A source maps a global example index to one (image, label); the batch at step k holds examples
-[k * B, (k + 1) * B), so it is a pure function of (seed, k), as for text (meshtrain/data/pipeline.py): rows
+[k * B, (k + 1) * B), so it is a pure function of (seed, k), as for text (meshtrain/data/sources.py): rows
 [start, stop) of it can be loaded by any process, and nothing but the step is needed to resume. With shuffle=True
 example i is record perm_e[i mod N] of the split, perm_e a fresh permutation of its N records in epoch e = i // N,
 seeded by (seed, dataset, split) like the text sources; without it, records in order, wrapping around.
@@ -19,10 +19,9 @@ as array_record under data.data_dir (meshtrain never downloads). Records are rea
 """
 import numpy as np
 
-from meshtrain.data import digits, pipeline
+from meshtrain.data import digits, sources, tfds_access
 from meshtrain.errors import UserError
 
-SYNTHETIC = pipeline.SYNTHETIC
 # A split whose pixels take at most this many bytes is decoded once, when its source is made, and then served from
 # memory: decoding a stored PNG costs 0.2-1 ms per image (a 128-image digits batch took 85 ms on the 2-core
 # machine, longer than a small DiT step), a lookup microseconds. digits (92 KB), MNIST (47 MB) and CIFAR-10
@@ -32,8 +31,7 @@ DECODED_CACHE_BYTES = 64 << 20
 
 def row_seeds(seed: int, split: str, first: int, count: int) -> np.ndarray:
   """uint32[count]: the seeds of global examples first .. first + count - 1 of `split` (see the module doc)."""
-  derive = pipeline._derive_seed  # pylint: disable=protected-access
-  return np.array([derive(seed, split, "noise", first + r) for r in range(count)], np.uint32)
+  return np.array([sources.derive_seed(seed, split, "noise", first + r) for r in range(count)], np.uint32)
 
 
 def to_unit_range(images_uint8: np.ndarray) -> np.ndarray:
@@ -76,9 +74,10 @@ class SyntheticImageSource(ImageSource):
 
   def __init__(self, seed: int, split: str, image_shape: tuple[int, int, int], num_classes: int):
     super().__init__(seed)
-    self.name, self.split, self.image_shape, self.num_classes = SYNTHETIC, split, tuple(image_shape), num_classes
+    self.name, self.split, self.image_shape = sources.SYNTHETIC, split, tuple(image_shape)
+    self.num_classes = num_classes
     self.num_examples = None
-    self._seed = pipeline._derive_seed("synthetic_images", seed, split)  # pylint: disable=protected-access
+    self._seed = sources.derive_seed("synthetic_images", seed, split)
 
   def example(self, example_index: int) -> tuple[np.ndarray, int]:
     rng = np.random.default_rng([self._seed, example_index])
@@ -102,10 +101,10 @@ class TfdsImageSource(ImageSource):
     if self.num_examples * int(np.prod(self.image_shape)) <= DECODED_CACHE_BYTES:
       decoded = [self._read(i) for i in range(self.num_examples)]
       self._decoded = (np.stack([image for image, _ in decoded]), np.array([label for _, label in decoded]))
-    # The order is seeded like the text sources' (pipeline.TfdsSource), so the two families share one convention.
-    self._order_seed = pipeline._derive_seed("order", seed, name, split)  # pylint: disable=protected-access
+    # The order is seeded like the text sources' (packing.TfdsSource), so the two families share one convention.
+    self._order_seed = sources.derive_seed("order", seed, name, split)
     self._large_order = None
-    if shuffle and self.num_examples >= pipeline.SMALL_PERMUTATION:
+    if shuffle and self.num_examples >= sources.SMALL_PERMUTATION:
       import grain  # pylint: disable=g-import-not-at-top
       # Random access in O(1) memory; grain folds the epoch (index // N) into the seed.
       self._large_order = grain.MapDataset.range(self.num_examples).shuffle(seed=self._order_seed)
@@ -117,7 +116,7 @@ class TfdsImageSource(ImageSource):
       return example_index % n
     if self._large_order is not None:
       return int(self._large_order[example_index])
-    permutation = pipeline._permutation(self._order_seed, example_index // n, n)  # pylint: disable=protected-access
+    permutation = sources.permutation(self._order_seed, example_index // n, n)
     return int(permutation[example_index % n])
 
   def example(self, example_index: int) -> tuple[np.ndarray, int]:
@@ -145,11 +144,11 @@ def make_source(cfg, split: str, shuffle: bool) -> ImageSource:
   cfg.data.image_key / label_key and the model (image_size, channels, num_classes)."""
   data, model = cfg.data, cfg.model
   expected = (model.image_size, model.image_size, model.channels)
-  if data.name == SYNTHETIC:
+  if data.name == sources.SYNTHETIC:
     return SyntheticImageSource(cfg.seed, split, expected, model.num_classes)
   if data.name == digits.NAME:
     digits.build(data.data_dir)
-  ds = pipeline._open_tfds(data.name, split, data.data_dir)  # pylint: disable=protected-access
+  ds = tfds_access.open_tfds(data.name, split, data.data_dir)
   image_shape, num_classes = check_features(data.name, ds.dataset_info.features, data.image_key, data.label_key)
   check_model(data.name, image_shape, num_classes, model)
   return TfdsImageSource(ds, name=data.name, split=split, image_key=data.image_key, label_key=data.label_key,
@@ -164,8 +163,8 @@ def check_features(name: str, features, image_key: str, label_key: str) -> tuple
   items = dict(features.items()) if hasattr(features, "items") else {}
   listing = "its features are: " + (", ".join(f"{k} ({type(f).__name__})" for k, f in items.items()) or "none")
   for flag, key, kind, (article, noun), without in (
-      ("image_key", image_key, tfds.features.Image, ("an", "image"), "it has no image feature, so it cannot train an image "
-       "model (task=dit); use data.name=digits or a TFDS image dataset"),
+      ("image_key", image_key, tfds.features.Image, ("an", "image"), "it has no image feature, so it cannot train an "
+       "image model (task=dit); use data.name=digits or a TFDS image dataset"),
       ("label_key", label_key, tfds.features.ClassLabel, ("a", "ClassLabel"), "it has no ClassLabel feature, and the "
        "class-conditional model (task=dit) needs one; use data.name=digits or a TFDS image dataset with class labels")):
     if not isinstance(items.get(key), kind):

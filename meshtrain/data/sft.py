@@ -18,7 +18,7 @@ import pathlib
 import numpy as np
 import tensorflow_datasets as tfds
 
-from meshtrain.data import pipeline, stdlib_corpus
+from meshtrain.data import sources, stdlib_corpus, tfds_access
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 
@@ -106,7 +106,7 @@ class PythonStdlibSft(tfds.core.GeneratorBasedBuilder):
 def build(data_dir: str = "") -> PythonStdlibSft:
   """Builds the dataset under `data_dir` ("" = TFDS default) unless it is there; locked, atomic (TFDS renames a
   finished temporary directory into place), built from local files only."""
-  return stdlib_corpus.build(data_dir, PythonStdlibSft)
+  return tfds_access.build(data_dir, PythonStdlibSft)
 
 
 # --- training rows ---------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def encode_example(prompt_ids: np.ndarray, completion_ids: np.ndarray, seq_len: 
   return inputs_L, targets_L
 
 
-class SftSource(pipeline.Source):
+class SftSource(sources.Source):
   """One prompt/completion example per row; an epoch is a permutation of the examples (shuffle) or their order."""
 
   def __init__(self, data_source, *, tok, prompt_key: str, completion_key: str, seq_len: int, seed: int,
@@ -150,14 +150,14 @@ class SftSource(pipeline.Source):
     if self.num_sequences == 0:
       raise UserError(f"split {split!r} of dataset {name!r} holds no examples; set data.train_split / "
                       "data.eval_split to a non-empty split")
-    self._seed = pipeline._derive_seed("prompt_completion", seed, name, split)  # pylint: disable=protected-access
+    self._seed = sources.derive_seed("prompt_completion", seed, name, split)
 
   def sequence_index(self, example_index: int) -> int:
     n = self.num_sequences
     if not self.shuffle:  # evaluation: the same examples, in order, every time
       return example_index % n
     # A materialised permutation per epoch, as TfdsSource does for small splits (stdlib functions: ~8,000).
-    order = pipeline._permutation(self._seed, example_index // n, n)  # pylint: disable=protected-access
+    order = sources.permutation(self._seed, example_index // n, n)
     return int(order[example_index % n])
 
   def sequence(self, seq_index: int) -> np.ndarray:
@@ -194,7 +194,7 @@ def make_source(cfg, split: str, shuffle: bool, tok) -> SftSource:
   data = cfg.data
   if data.name == NAME:
     build(data.data_dir)
-  ds = pipeline._open_tfds(data.name, split, data.data_dir)  # pylint: disable=protected-access
+  ds = tfds_access.open_tfds(data.name, split, data.data_dir)
   features = dict(ds.dataset_info.features.items())
   for key, value in (("data.prompt_key", data.prompt_key), ("data.completion_key", data.completion_key)):
     if value not in features:

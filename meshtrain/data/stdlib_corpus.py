@@ -11,8 +11,7 @@ import sysconfig
 
 import tensorflow_datasets as tfds
 
-from meshtrain.data import tokenizer
-from meshtrain.errors import UserError
+from meshtrain.data import tfds_access
 
 NAME = "python_stdlib"
 VALIDATION_PERCENT = 5
@@ -78,31 +77,7 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
       yield rel, {"text": text, "path": rel}
 
 
-def build(data_dir: str = "", builder_class=PythonStdlib):
+def build(data_dir: str = "") -> PythonStdlib:
   """Builds the dataset under `data_dir` ("" = TFDS default) unless it is already there; returns the builder.
-  `builder_class`: another dataset made from the same local files (meshtrain/data/sft.py's)."""
-  name = builder_class.name
-  builder = builder_class(data_dir=data_dir or None)
-  if not builder.data_path.exists():
-    root = pathlib.Path(builder.data_dir_root)
-    where = f"data.data_dir={data_dir!r}" if data_dir else f"the default TFDS data_dir ({root})"
-    fix = ("point data.data_dir at a writable directory, or build it once where you can write (python -c \"from "
-           f"{builder_class.__module__} import build; build('DIR')\") and point data.data_dir at DIR")
-    existing = next(p for p in [root, *root.parents] if p.exists())
-    if not existing.is_dir():
-      raise UserError(f"{where} lies under {str(existing)!r}, which is a file, so the {name} dataset cannot be built "
-                      f"there; {fix}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-      raise UserError(f"{where} is not writable ({existing} is read-only for this user), and the {name} dataset is "
-                      f"not built there yet (it is built on first use); {fix}")
-    try:
-      # Several processes on one host may start at once; TFDS's rename of its temp dir would fail for the loser.
-      with tokenizer.file_lock(root / f".{name}.lock"):
-        # A no-op ("Reusing dataset") when another process finished the build while we waited for the lock.
-        builder_class(data_dir=data_dir or None).download_and_prepare()
-    except OSError as e:
-      raise UserError(f"cannot build the {name} dataset under {where}: {e.strerror or e} ({e.filename or root}); "
-                      f"{fix}") from e
-    # A fresh builder reads the split sizes from the written metadata.
-    builder = builder_class(data_dir=data_dir or None)
-  return builder
+  Locked against other processes on the host and atomic (meshtrain/data/tfds_access.py's `build`)."""
+  return tfds_access.build(data_dir, PythonStdlib)

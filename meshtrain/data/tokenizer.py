@@ -14,8 +14,6 @@ a tokenizer in checkpoint metadata: a copy or a move of the file is the same tok
 
 `tokenizers` and `sentencepiece` are imported only when such a file is loaded.
 """
-import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -23,9 +21,10 @@ import os
 import pathlib
 import re
 import shutil
-import time
 
 import numpy as np
+import sentencepiece
+import tokenizers
 
 from meshtrain.errors import UserError
 
@@ -167,8 +166,6 @@ class HfTokenizer(Tokenizer):
   kind = "hf"
 
   def __init__(self, path: pathlib.Path):
-    import tokenizers  # pylint: disable=g-import-not-at-top
-
     self.path = path
     try:
       self._spec = json.loads(path.read_text(encoding="utf-8"))
@@ -255,8 +252,6 @@ class SentencePieceTokenizer(Tokenizer):
   kind = "sentencepiece"
 
   def __init__(self, path: pathlib.Path):
-    import sentencepiece  # pylint: disable=g-import-not-at-top
-
     self.path = path
     try:
       self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
@@ -328,7 +323,7 @@ def load(spec: str | os.PathLike) -> Tokenizer:
     return ByteTokenizer()
   if spec.startswith("bpe:"):
     raise UserError(f"tokenizer {spec!r} is trained from a config's dataset: load it with "
-                    "tokenizer.for_config(cfg), or pass the trained tokenizer's path")
+                    "meshtrain.data.tokenizer_for_config(cfg), or pass the trained tokenizer's path")
   path = pathlib.Path(spec).expanduser()
   if path.is_dir():
     for name in (HF_FILE, SP_FILE):
@@ -408,7 +403,7 @@ def save_to_workdir(tok: Tokenizer, workdir: str | os.PathLike) -> None:
     os.replace(tmp, target)
 
 
-# --- tokenizers trained from a dataset ------------------------------------------------------------------------
+# --- training a byte-level BPE (on a config's dataset: meshtrain/data/select.py's tokenizer_for_config) -------
 
 
 def parse_bpe_spec(spec: str) -> int | None:
@@ -426,14 +421,12 @@ def train_bpe(texts, vocab_size: int, out_dir: pathlib.Path, length: int | None 
   """Trains a byte-level BPE of `vocab_size` ids on the iterable `texts`; writes out_dir/tokenizer.json and the
   transformers side files (written aside and renamed, so out_dir appears whole or not at all). Ids 0, 1, 2 are
   the specials pad, end-of-text, begin-of-text; the 256 bytes follow, so every string encodes."""
-  import tokenizers  # pylint: disable=g-import-not-at-top
-  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
-
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS), show_progress=False,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS),
+                                           show_progress=False,
+                                           initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
   tok.train_from_iterator(texts, trainer, length=length)
   out_dir = pathlib.Path(out_dir)
   out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -447,42 +440,3 @@ def train_bpe(texts, vocab_size: int, out_dir: pathlib.Path, length: int | None 
     shutil.rmtree(out_dir)
   os.replace(tmp, out_dir)
   return HfTokenizer(out_dir / HF_FILE)
-
-
-@contextlib.contextmanager
-def file_lock(path: pathlib.Path):
-  """An exclusive flock on `path`: one process on a host (or on a file system with locks) builds a cache at a time
-  (the BPE, the token cache, the locally built datasets); the others wait, then find it built."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "w") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def for_config(cfg) -> Tokenizer:
-  """The tokenizer cfg.data.tokenizer names; "bpe:N" is trained on the dataset's train split the first time and
-  cached under the TFDS data dir (keyed by the dataset's name, version and split, and N)."""
-  spec = str(cfg.data.tokenizer)
-  vocab_size = parse_bpe_spec(spec)
-  if vocab_size is None:
-    return load(spec)
-  from meshtrain.data import pipeline  # pylint: disable=g-import-not-at-top
-  if cfg.data.name == pipeline.SYNTHETIC:
-    raise UserError(f"data.tokenizer={spec!r} is trained on the dataset's text, and data.name=synthetic has none; "
-                    "use data.tokenizer=byte with synthetic data")
-  texts, info, cache_root = pipeline.train_texts(cfg)
-  slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.data.train_split)
-  out_dir = (cache_root / "meshtrain_tokenizers" / info.full_name.replace("/", "__") /
-             f"bpe{vocab_size}-{slug}-{cfg.data.text_key}")
-  if (out_dir / HF_FILE).is_file():
-    return load(out_dir)
-  with file_lock(out_dir.with_name(f".{out_dir.name}.lock")):
-    if not (out_dir / HF_FILE).is_file():  # another process may have trained it while we waited
-      t0 = time.perf_counter()
-      train_bpe(texts, vocab_size, out_dir, length=len(texts))
-      print(f"trained a {vocab_size}-id byte-level BPE on {len(texts)} documents of {info.full_name}/"
-            f"{cfg.data.train_split} in {time.perf_counter() - t0:.1f}s; cached in {out_dir}", flush=True)
-  return load(out_dir)

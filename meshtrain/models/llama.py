@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from meshtrain import cpu_matmul, sharding
+from meshtrain import sharding
 from meshtrain.models import attention
 from meshtrain.models.activations import swiglu
 from meshtrain.models.moe import MoEConfig, MoEMLP
@@ -65,6 +65,23 @@ MAX_AUTO_UNROLL = 4  # deepest stack model.scan_unroll=0 unrolls
 
 
 @dataclasses.dataclass(frozen=True)
+class DenseProducts:
+  """How the dense weights are stored and multiplied by the activations: a choice of the backend that runs the
+  model, not of the model (ModelConfig.products). This default is the model's own layout, [in..., out...] (what
+  training and checkpoints use), multiplied by XLA's einsum/dot (`dense`). Generation on the CPU hands the model
+  meshtrain/kernels/cpu_matmul.py's OutInProducts instead: weights held [out..., in...] for its own kernel."""
+
+  def permutation(self, ndim: int, n_in: int) -> tuple[int, ...] | None:
+    """The order in which a weight of `ndim` axes whose first `n_in` are contracted stores them; None: as named."""
+    del ndim, n_in
+    return None
+
+  def __call__(self, x, w, features: str):
+    """Activations [B, L, ...] times the weight over the feature dims, `features` in the model's layout ("D,DF->F")."""
+    return dense(x, w, features)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int
   num_layers: int
@@ -94,7 +111,7 @@ class ModelConfig:
   pipeline_microbatches: int = 1
   pipeline_schedule: str = "gpipe"
   pipeline_repeats: int = 1
-  kernels_out_in: bool = False     # dense weights stored [out, in]: generation's layout (kernel below)
+  products: DenseProducts = DenseProducts()  # how dense weights are stored and multiplied (the backend's choice)
 
   @classmethod
   def from_config(cls, model_cfg) -> "ModelConfig":
@@ -126,33 +143,25 @@ class RMSNorm(nn.Module):
 
 def kernel(module: nn.Module, c: ModelConfig, name: str, shape: tuple[int, ...], logical: tuple, n_in: int,
            std: float | None, fan_in: FanIn):
-  """A dense weight whose first `n_in` axes are contracted with the activations: stored [in..., out...] (the
-  model's layout, what training and checkpoints use), or [out..., in...] under c.kernels_out_in (torch's
-  nn.Linear layout), which meshtrain/generate.py sets. Why: XLA's CPU matmul of a few rows against a weight
-  streamed from memory is faster when both operands contract over their minor dimension (125m shape, decode:
-  1.3x tokens/s at batch 8, 1.1x at batch 1; the README's Generate section). Only a weight that is stored that
-  way gets the fast matmul: turning a [in, out] weight around inside the program is a copy of it per token, and
-  a column-major layout of it (jax's Format API) XLA copies back to row-major for the dot."""
-  perm = tuple(range(n_in, len(shape))) + tuple(range(n_in)) if c.kernels_out_in else None
+  """A dense weight whose first `n_in` axes are contracted with the activations: named and drawn [in..., out...]
+  (the model's layout, what training and checkpoints use), stored in the order c.products chooses (generation on
+  the CPU: [out..., in...], see meshtrain/kernels/cpu_matmul.py)."""
+  perm = c.products.permutation(len(shape), n_in)
   return param(module, name, shape, logical, std, c.param_dtype, c.init, fan_in, perm=perm)
 
 
-def dense(x, w, features: str, out_in: bool = False):
+def dense(x, w, features: str):
   """einsum of activations [B, L, ...] with a weight over the feature dims only ("D,DF->F"), on the tokens as
   one axis [B*L, ...]: the same values and the same sharding (the batch split stays the major one), a reshape that
   is a bitcast on every backend. Not when the sequence is split too: then it stays [B, L, ...].
 
   Why: on [B, L, D] x [D, F], XLA's CPU backend forms the weight gradient by copying the incoming [B, L, F]
   gradient into [F, B*L] order, with the elementwise backward (SwiGLU's) fused into that strided copy; on
-  [B*L, D] it passes the operand to its matmul as transposed instead. One [1024, 1024] MLP weight gradient:
-  36 ms against 6 ms, and the tiny model's step spent ~40% of its time in two such copies.
-  `out_in`: w is stored [out..., in...] (see `kernel`; the tied embedding always is) and this is generation: the
-  product goes to meshtrain.cpu_matmul (no gradient). `features` names the model's layout either way.
+  [B*L, D] it passes the operand to its matmul as transposed instead, several times faster for one MLP weight
+  gradient, and those copies were a large share of the tiny model's step (measured: see benchmarks/).
   """
   inputs, out = features.split("->")
   x_in, w_in = inputs.split(",")
-  if out_in:
-    w_in = out + x_in
   if context_axis():  # the sequence is split over devices: merging it with the batch would reshard (all-gathers)
     return jnp.einsum(f"BL{x_in},{w_in}->BL{out}", x, w)
   if w_in == x_in + out:
@@ -161,10 +170,6 @@ def dense(x, w, features: str, out_in: bool = False):
     k = math.prod(x.shape[2:])
     y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*x.shape[:2], *w.shape[len(x_in):])
-  if out_in:
-    k = math.prod(x.shape[2:])
-    y = cpu_matmul.matmul_nt(x.reshape(-1, k), w.reshape(-1, k))
-    return y.reshape(*x.shape[:2], *w.shape[:len(out)])
   y = jnp.einsum(f"T{x_in},{w_in}->T{out}", x.reshape(-1, *x.shape[2:]), w)
   return y.reshape(*x.shape[:2], *y.shape[1:])
 
@@ -184,7 +189,7 @@ def rotary(x_BLHE, pos_L, theta: float):
   cos_L12F = jnp.stack([cos_LF, cos_LF], axis=1)[:, None]
   sin_L12F = jnp.stack([-sin_LF, sin_LF], axis=1)[:, None]
   # The halves as an axis of 2, swapped by reversing it: one elementwise fusion forward and backward, where
-  # split + concatenate made XLA's CPU backend copy both halves (fwd+bwd 1.8x slower at the tiny shape).
+  # split + concatenate made XLA's CPU backend copy both halves (slower forward and backward).
   x_BLH2F = x_BLHE.astype(jnp.float32).reshape(B, L, H, 2, E // 2)
   out_BLH2F = x_BLH2F * cos_L12F + x_BLH2F[..., ::-1, :] * sin_L12F
   return out_BLH2F.reshape(B, L, H, E).astype(x_BLHE.dtype)
@@ -227,7 +232,8 @@ class KVCache:
   def padded(self, rows: int) -> "KVCache":
     """The cache with empty rows appended up to `rows` (their own tokens start at slot 0: never read)."""
     grow = lambda a, axis: jnp.pad(a, [(0, rows - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)])
-    caches = [tuple(grow(a, 0) for a in x) if isinstance(x, tuple) else grow(x, 1) for x in (self.k_NBKSE, self.v_NBKSE)]
+    caches = [tuple(grow(a, 0) for a in x) if isinstance(x, tuple) else grow(x, 1)
+              for x in (self.k_NBKSE, self.v_NBKSE)]
     return self.replace(k_NBKSE=caches[0], v_NBKSE=caches[1], start_B=grow(self.start_B, 0))
 
 
@@ -256,8 +262,9 @@ class Attention(nn.Module):
     # fan_in (MaxText): attention weights are plain normal, not truncated; the query is drawn 1/sqrt(E) smaller.
     w_q = kernel(self, c, "q", (D, H, E), ("embed", "heads", "head_dim"), 1, c.init_std,
                  FanIn(distribution="normal", scale=1 / E))
-    w_k = kernel(self, c, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), 1, c.init_std, FanIn(distribution="normal"))
-    w_v = kernel(self, c, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), 1, c.init_std, FanIn(distribution="normal"))
+    kv_fan_in = FanIn(distribution="normal")
+    w_k = kernel(self, c, "k", (D, K, E), ("embed", "kv_heads", "head_dim"), 1, c.init_std, kv_fan_in)
+    w_v = kernel(self, c, "v", (D, K, E), ("embed", "kv_heads", "head_dim"), 1, c.init_std, kv_fan_in)
     w_o = kernel(self, c, "o", (H, E, D), ("heads", "head_dim", "embed"), 2, out_std,
                  FanIn(in_axes=(0, 1), distribution="normal"))
     w_q = w_q.astype(c.dtype)
@@ -267,11 +274,13 @@ class Attention(nn.Module):
       # the parameter keeps MaxText's scale, so Adam's steps (fixed size in parameter units) move the logits as
       # fast as in MaxText. Same at init with std 1/sqrt(D) and the usual scaling, not in training.
       w_q = w_q * jnp.asarray(math.sqrt(E), c.dtype)
-    q_BLHE = dense(x_BLD, w_q, "D,DHE->HE", c.kernels_out_in)
-    k_BLKE = dense(x_BLD, w_k.astype(c.dtype), "D,DKE->KE", c.kernels_out_in)
-    v_BLKE = dense(x_BLD, w_v.astype(c.dtype), "D,DKE->KE", c.kernels_out_in)
-    q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_heads", "act_head_dim"))
-    k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, pos_L, c.rope_theta), ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
+    q_BLHE = c.products(x_BLD, w_q, "D,DHE->HE")
+    k_BLKE = c.products(x_BLD, w_k.astype(c.dtype), "D,DKE->KE")
+    v_BLKE = c.products(x_BLD, w_v.astype(c.dtype), "D,DKE->KE")
+    q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, pos_L, c.rope_theta),
+                                        ("act_batch", "act_len", "act_heads", "act_head_dim"))
+    k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, pos_L, c.rope_theta),
+                                        ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     if kv is not None:
       (k_BKSE, v_BKSE), (start_B, end) = kv, slots
@@ -280,7 +289,7 @@ class Attention(nn.Module):
       k_BKSE, v_BKSE = write(k_BKSE, k_BLKE), write(v_BKSE, v_BLKE)
       o_BLHE = attention.cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end)
       o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
-      return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D", c.kernels_out_in), (k_BKSE, v_BKSE)
+      return c.products(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BKSE, v_BKSE)
     if axis := context_axis():
       # The sequence is split over devices: each holds a chunk of queries and must see every earlier key.
       pos_BL = jnp.broadcast_to(pos_L, q_BLHE.shape[:2])
@@ -289,7 +298,7 @@ class Attention(nn.Module):
     else:
       o_BLHE = attention.causal_attention(q_BLHE, k_BLKE, v_BLKE, c.attention)
     o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
-    return dense(o_BLHE, w_o.astype(c.dtype), "HE,HED->D", c.kernels_out_in)
+    return c.products(o_BLHE, w_o.astype(c.dtype), "HE,HED->D")
 
 
 class MLP(nn.Module):
@@ -303,10 +312,10 @@ class MLP(nn.Module):
     w_gate = kernel(self, c, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), 1, c.init_std, FanIn())
     w_up = kernel(self, c, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), 1, c.init_std, FanIn())
     w_down = kernel(self, c, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), 1, out_std, FanIn())
-    gate_BLF = dense(x_BLD, w_gate.astype(c.dtype), "D,DF->F", c.kernels_out_in)
-    up_BLF = dense(x_BLD, w_up.astype(c.dtype), "D,DF->F", c.kernels_out_in)
+    gate_BLF = c.products(x_BLD, w_gate.astype(c.dtype), "D,DF->F")
+    up_BLF = c.products(x_BLD, w_up.astype(c.dtype), "D,DF->F")
     h_BLF = nn.with_logical_constraint(swiglu(gate_BLF, up_BLF), ("act_batch", "act_len", "act_mlp"))
-    return dense(h_BLF, w_down.astype(c.dtype), "F,FD->D", c.kernels_out_in)
+    return c.products(h_BLF, w_down.astype(c.dtype), "F,FD->D")
 
 
 class Block(nn.Module):
@@ -333,8 +342,8 @@ def unrolled_layers(c: ModelConfig) -> int:
   for a stack of at most MAX_AUTO_UNROLL layers without rematerialization or a sequence split, else 1.
 
   A loop keeps its residuals in stacked [layers, ...] buffers that are zero-filled, then written and read with
-  dynamic slices each iteration; unrolled, XLA also merges per-layer gradient all-reduces. Tiny model on 2 CPU
-  devices: 10-20% more tokens/s, compile time still ~1 s. Not under remat: unrolled, XLA schedules the
+  dynamic slices each iteration; unrolled, XLA also merges per-layer gradient all-reduces: more tokens/s for a
+  small compile-time cost (measured: see benchmarks/). Not under remat: unrolled, XLA schedules the
   recomputation next to the forward pass it repeats (full remat compiled to no-remat's memory). Not with the
   sequence split: an unrolled ring-attention step loaded from the persistent compilation cache deadlocks on the
   CPU (devices wait in different collectives; freshly compiled it runs), so those layouts keep the loop.
@@ -384,21 +393,22 @@ class Transformer(nn.Module):
         x_BLD, _ = block(c, name=f"layer_{i}")(x_BLD, pos_L)
     x_BLD = RMSNorm(c, name="final_norm")(x_BLD)
     if c.tie_embeddings:
-      logits_BLV = dense(x_BLD, embed_VD.astype(c.dtype), "D,VD->V", c.kernels_out_in)
+      logits_BLV = c.products(x_BLD, embed_VD.astype(c.dtype), "D,VD->V")
       if c.init == "fan_in":
         # A normal(1.0) table would give logits of std sqrt(D); MaxText divides them by sqrt(D) (mapping above).
         logits_BLV = logits_BLV / jnp.asarray(math.sqrt(c.d_model), logits_BLV.dtype)
     else:
       head_DV = kernel(self, c, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), 1, c.init_std, FanIn())
-      logits_BLV = dense(x_BLD, head_DV.astype(c.dtype), "D,DV->V", c.kernels_out_in)
+      logits_BLV = c.products(x_BLD, head_DV.astype(c.dtype), "D,DV->V")
     return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
 
   def _generate(self, tokens_BL, cache: KVCache):
     """Prefill (L prompt columns) or decode (L = 1) against the cache; same parameters, same names as __call__.
 
-    No remat, pipeline or sequence split here: nothing is differentiated, and generate.py runs the model unpipelined
-    on a mesh without a sequence axis. Only the last column's logits are computed: with left padding it is every
-    row's last token, the one whose next token is wanted, and a prefill's [B, L, V] logits would cost L times more.
+    No remat, pipeline or sequence split here: nothing is differentiated, and meshtrain/inference/generator.py runs
+    the model unpipelined on a mesh without a sequence axis. Only the last column's logits are computed: with left
+    padding it is every row's last token, the one whose next token is wanted, and a prefill's [B, L, V] logits would
+    cost L times more.
     """
     c = self.cfg
     embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype,
@@ -423,12 +433,12 @@ class Transformer(nn.Module):
       k_NBKSE, v_NBKSE = tuple(ks), tuple(vs)
     x_B1D = RMSNorm(c, name="final_norm")(x_BLD[:, -1:])
     if c.tie_embeddings:
-      logits_B1V = dense(x_B1D, embed_VD.astype(c.dtype), "D,VD->V", c.kernels_out_in)
+      logits_B1V = c.products(x_B1D, embed_VD.astype(c.dtype), "D,VD->V")
       if c.init == "fan_in":
         logits_B1V = logits_B1V / jnp.asarray(math.sqrt(c.d_model), logits_B1V.dtype)
     else:
       head_DV = kernel(self, c, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), 1, c.init_std, FanIn())
-      logits_B1V = dense(x_B1D, head_DV.astype(c.dtype), "D,DV->V", c.kernels_out_in)
+      logits_B1V = c.products(x_B1D, head_DV.astype(c.dtype), "D,DV->V")
     logits_B1V = nn.with_logical_constraint(logits_B1V.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
     new_cache = cache.replace(k_NBKSE=k_NBKSE, v_NBKSE=v_NBKSE, end=cache.end + tokens_BL.shape[1])
     return logits_B1V, new_cache

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-INITS = ("normal", "fan_in")  # also in meshtrain/config.py, which validates model.init without importing JAX
+INITS = ("normal", "fan_in")  # also in meshtrain/tasks/lm_config.py, which validates model.init without importing JAX
 DISTRIBUTIONS = ("normal", "truncated_normal")
 
 

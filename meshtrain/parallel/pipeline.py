@@ -33,6 +33,12 @@ from meshtrain.errors import UserError
 SCHEDULES = ("gpipe", "circular")
 
 
+def pipeline_repeats(cfg, stages: int) -> int:
+  """Passes through the stages: pipeline.repeats under the circular schedule with stages, else one (config.validate
+  refuses repeats > 1 without circular; with one stage there is no pipeline)."""
+  return cfg.pipeline.repeats if stages > 1 and cfg.pipeline.schedule == "circular" else 1
+
+
 def bubble_fraction(num_stages: int, num_microbatches: int, num_repeats: int = 1) -> float:
   """Idle fraction of each stage: (S-1) / (R*M + S-1). R = 1 is GPipe; the circular schedule divides the
   per-iteration work by R, so the same S-1 fill/drain iterations cost R times less."""

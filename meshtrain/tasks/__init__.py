@@ -4,8 +4,9 @@ The loop knows no model. It asks its task for the model, the batch the data must
 sums and the FLOPs per example. Two families today:
   lm   a causal language model (Llama, optionally mixture-of-experts): meshtrain/tasks/lm.py
   dit  a class-conditional diffusion transformer on images (rectified flow): meshtrain/tasks/dit.py
-A third family is a new module here plus its name in KINDS; the loop, layout, checkpoints, launcher, planner and
-fault handling serve it unchanged.
+A third family is a new module here, a JAX-free module of its config fields (`<family>_config.py`: checks, model
+group, batch memory) registered below, and a branch in `build` and `cost_model`; the loop, layout, checkpoints,
+launcher, planner and fault handling serve it unchanged.
 
 Contract (each task module defines a class with these members, built by `build(cfg, mesh, platform)`):
 
@@ -40,7 +41,7 @@ Contract (each task module defines a class with these members, built by `build(c
       numerator, shared by the loop, bench, inspect and plan.
 
 The cost model (`cost_model(cfg)`: a class `CostModel` in the task module, built from the config alone, no mesh or
-devices) is what meshtrain/estimate.py needs for inspect's expectation and plan's ranking; estimate does the
+devices) is what meshtrain/analysis/estimate.py needs for inspect's expectation and plan's ranking; estimate does the
 arithmetic every task shares (parameter, optimizer and gradient bytes under the rules; JAX's residuals of the block
 stack, per layer run; the peak; step time) and asks the task for the rest:
   throughput_key, units_per_example, length   as the task's; length: tokens of one example (LM: seq_len, DiT: patches)
@@ -72,39 +73,30 @@ Optional members (the core has a default without them):
   layer_order: str                how stacked layers are stored; a checkpoint of another order is refused.
                                   Default "sequential".
 """
-import dataclasses
-from typing import Any
+from meshtrain import config as config_lib
+from meshtrain.tasks import dit_config, lm_config
 
-KINDS = ("lm", "dit")
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockStack:
-  """What every task's `LayerStack` shares: `model`, the model config as one device of the split holds it, whose
-  d_model is the residual stream's width. A task's subclass adds its fields, `dims` and `backward_peak`."""
-  model: Any
-
-  @property
-  def width(self) -> int:
-    return self.model.d_model
-
-  def without_remat(self):
-    return dataclasses.replace(self, model=dataclasses.replace(self.model, remat="none"))
+# Each kind's own config fields, checked by config.load (which imports no task): registered here, once, when the
+# meshtrain package is imported (meshtrain/__init__.py imports this module).
+for _kind, _fields in (("lm", lm_config), ("dit", dit_config)):
+  config_lib.register_task(_kind, config_lib.TaskFields(_fields.model_group, _fields.check, _fields.check_batch_memory))
+KINDS = tuple(config_lib.TASKS)
 
 
 def build(cfg, mesh, platform: str | None = None):
   """The task of `cfg.task` for `mesh`: model-specific layout checks happen here (a UserError before compiling)."""
   if cfg.task == "dit":
-    from meshtrain.tasks import dit  # pylint: disable=g-import-not-at-top
+    from meshtrain.tasks import dit  # imports JAX: only once a task is built, after runtime.start
     return dit.DitTask(cfg, mesh, platform)
-  from meshtrain.tasks import lm  # pylint: disable=g-import-not-at-top
+  from meshtrain.tasks import lm  # likewise
   return lm.LmTask(cfg, mesh, platform)
 
 
 def cost_model(cfg):
-  """The analytic side of `cfg.task` for meshtrain/estimate.py (see the contract above): no mesh, no devices."""
+  """The analytic side of `cfg.task` for meshtrain/analysis/estimate.py (see the contract above): no mesh or
+  devices."""
   if cfg.task == "dit":
-    from meshtrain.tasks import dit  # pylint: disable=g-import-not-at-top
+    from meshtrain.tasks import dit  # imports JAX: only once a task is built, after runtime.start
     return dit.CostModel(cfg)
-  from meshtrain.tasks import lm  # pylint: disable=g-import-not-at-top
+  from meshtrain.tasks import lm  # likewise
   return lm.CostModel(cfg)

@@ -26,12 +26,15 @@ conditional model alone, g = 0 the unconditional one, g > 1 trades diversity for
 import dataclasses
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from meshtrain import config as config_lib, tasks
+from meshtrain.analysis import costs
 from meshtrain.errors import UserError
-from meshtrain.models.dit import FREQUENCIES, MOD_BLOCK, MOD_FINAL, DiT, DiTConfig
+from meshtrain.inference import dit_sampler
+from meshtrain.models.dit import FREQUENCIES, MOD_BLOCK, MOD_FINAL, Block, DiT, DiTConfig
+from meshtrain.tasks import dit_config
 
 
 def noise_and_time(seed, image_HWC, label, class_dropout: float, num_classes: int, drop_labels: bool):
@@ -192,11 +195,10 @@ class DitTask:
     return flops_per_image(self.model_cfg)
 
   def hooks(self, run) -> list:
-    """At eval_every: a sample grid (WORKDIR/samples, TensorBoard) and its quality (meshtrain/sample.py); none
+    """At eval_every: a sample grid (WORKDIR/samples, TensorBoard) and its quality (inference/dit_sampler.py); none
     when eval_every=0, which turns evaluation off."""
     del run
-    from meshtrain import sample as sample_cli  # pylint: disable=g-import-not-at-top  # it imports this module
-    return [sample_cli.SampleHook(self.cfg)] if self.cfg.eval_every else []
+    return [dit_sampler.SampleHook(self.cfg)] if self.cfg.eval_every else []
 
   def sample(self, params, labels_N, noise_NHWC, steps: int, guidance):
     """`sample` with this task's model."""
@@ -215,7 +217,7 @@ class _LocalConfig(DiTConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerStack(tasks.BlockStack):
+class LayerStack(costs.BlockStack):
   """DiT's block stack as one device runs it (`CostModel.stack`): what estimate._layer_residuals traces. Hashable,
   so traces are cached per local shape."""
   model: DiTConfig
@@ -243,28 +245,27 @@ class LayerStack(tasks.BlockStack):
     """The gradient of a two-layer `nn.scan` of the (remat-wrapped) block on x [batch, T, D] and the per-image
     condition c [batch, D], broadcast to every layer as the model's scan does."""
     del shards  # check_parallelism refuses a split sequence
-    import flax.linen as nn
-    from meshtrain.models.dit import Block
     c = self.model
     block = Block if c.remat == "none" else nn.remat(Block, prevent_cse=False)
     stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
                     length=2, metadata_params={nn.PARTITION_NAME: "layers"})(c)
     dtype = jnp.dtype(c.dtype)
-    params = jax.eval_shape(lambda: nn.meta.unbox(stack.init(jax.random.key(0), jnp.zeros((1, length, c.d_model), dtype),
-                                                             jnp.zeros((1, c.d_model), dtype))["params"]))
+    x, cond = jnp.zeros((1, length, c.d_model), dtype), jnp.zeros((1, c.d_model), dtype)
+    params = jax.eval_shape(lambda: nn.meta.unbox(stack.init(jax.random.key(0), x, cond)["params"]))
     loss = lambda p, x, cond: stack.apply({"params": p}, x, cond)[0].astype(jnp.float32).sum()
     return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(
-        params, jax.ShapeDtypeStruct((batch, length, c.d_model), dtype), jax.ShapeDtypeStruct((batch, c.d_model), dtype))
+        params, jax.ShapeDtypeStruct((batch, length, c.d_model), dtype),
+        jax.ShapeDtypeStruct((batch, c.d_model), dtype))
 
 
 class CostModel:
-  """What meshtrain/estimate.py needs of the DiT, from the config alone (no mesh, no devices): the contract's
+  """What meshtrain/analysis/estimate.py needs of the DiT, from the config alone (no mesh, no devices): the contract's
   `cost_model` (meshtrain/tasks/__init__.py)."""
   throughput_key = DitTask.throughput_key
   units_per_example = DitTask.units_per_example
   unsupported_axes = UNSUPPORTED_AXES
   num_experts = 0
-  remat_policies = config_lib.DIT_REMAT_POLICIES
+  remat_policies = dit_config.REMAT_POLICIES
 
   def __init__(self, cfg):
     self.cfg = cfg
@@ -334,22 +335,21 @@ class CostModel:
         and one of the MLP-up input gradient; one more for the global-norm partial sums.
     Bytes are the buffer per device per execution (full gathered size for all-gathers), summed over executions.
     """
-    from meshtrain.estimate import CollectiveList, _layer_rows
     c, accum = self.model_cfg, self.cfg.optimizer.grad_accum_steps
     layers, tensor, fsdp = c.num_layers, sizes["tensor"], sizes["fsdp"]
     bld = b * l * c.d_model * act
-    out = CollectiveList(sizes)
+    out = costs.CollectiveList(sizes)
     add = out.add
     split = {r.path for r in table if "fsdp" in str(r.spec)}
     time_in = {"time_in", "time_in_bias"}  # never gathered: the time MLP's first layer runs column-split
     if sizes["data"] > 1 or fsdp > 1:
-      layer_grads = sum(r.bytes_per_device for r in _layer_rows(gathered))
+      layer_grads = sum(r.bytes_per_device for r in costs.layer_rows(gathered))
       other = [r for r in gathered if not r.path.startswith("layers/") and not (fsdp > 1 and r.path == "time_out")]
       reductions = 1 + (len([r for r in other if r.path in split]) if fsdp > 1 else 0)
       add("all-reduce", ("data", "fsdp"), accum * (layers + reductions),
           accum * (layer_grads + sum(r.bytes_per_device for r in other)))
     if fsdp > 1:
-      in_layers = [g for g in _layer_rows(gathered) if g.path in split]
+      in_layers = [g for g in costs.layer_rows(gathered) if g.path in split]
       outside = [g for g in gathered if not g.path.startswith("layers/") and g.path in split and g.path not in time_in]
       add("all-gather", ("fsdp",), accum * (2 * len(in_layers) * layers + len(outside) + 2),
           accum * (2 * sum(g.bytes_per_device for g in in_layers) + sum(g.bytes_per_device for g in outside)

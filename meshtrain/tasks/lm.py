@@ -8,21 +8,19 @@ combinations the model cannot run (`check_parallelism`, also used by `python -m 
 import dataclasses
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain import config as config_lib, perf, tasks
+from meshtrain import mesh as mesh_lib, sharding
+from meshtrain.analysis import costs, perf
 from meshtrain.errors import UserError
 from meshtrain.models import attention, moe
-from meshtrain.models.llama import ModelConfig, Transformer
+from meshtrain.models.llama import REMAT_POLICIES, Block, ModelConfig, Transformer
 from meshtrain.parallel import context
-
-
-def pipeline_repeats(cfg, stages: int) -> int:
-  """Passes through the stages: pipeline.repeats under the circular schedule with stages, else one (config.validate
-  refuses repeats > 1 without circular; with one stage there is no pipeline)."""
-  return cfg.pipeline.repeats if stages > 1 and cfg.pipeline.schedule == "circular" else 1
+from meshtrain.parallel.pipeline import pipeline_repeats
+from meshtrain.tasks import lm_config
 
 
 def check_parallelism(cfg, sizes: dict[str, int], microbatches: int | None = None) -> None:
@@ -44,7 +42,8 @@ def check_parallelism(cfg, sizes: dict[str, int], microbatches: int | None = Non
                     "the zigzag order would drop different tokens than one device does")
   if stages > 1 and shards > 1:
     raise UserError("pipeline stages (mesh.stage > 1) with context parallelism (mesh.sequence > 1) are not "
-                    "supported: ring attention's shard_map cannot run inside the pipeline's stage vmap; use one of them")
+                    "supported: ring attention's shard_map cannot run inside the pipeline's stage vmap; use one of "
+                    "them")
   if stages > 1 and p.schedule == "circular" and microbatches < stages:
     raise UserError(f"the circular schedule needs pipeline.microbatches >= mesh.stage ({microbatches} < {stages})")
   if shards > 1:
@@ -56,7 +55,7 @@ def check_parallelism(cfg, sizes: dict[str, int], microbatches: int | None = Non
 
 class LmTask:
   kind = "lm"
-  shape_fields = config_lib.SHAPE_FIELDS
+  shape_fields = lm_config.SHAPE_FIELDS
   throughput_key = "tokens_per_sec"
 
   def __init__(self, cfg, mesh, platform: str | None = None):
@@ -168,7 +167,7 @@ def flops_per_sequence(cfg, table) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerStack(tasks.BlockStack):
+class LayerStack(costs.BlockStack):
   """The LM's block stack as one device runs it (`CostModel.stack`): what estimate._layer_residuals traces.
   Hashable, so traces are cached per local shape."""
   model: ModelConfig            # heads, kv heads, MLP width and experts as one device of the split holds them
@@ -194,10 +193,6 @@ class LayerStack(tasks.BlockStack):
   def gradient_jaxpr(self, batch: int, length: int, shards: int):
     """The gradient of a two-layer `nn.scan` of the (remat-wrapped) block on [batch, length, D], with the sequence
     split over `shards` devices traced through meshtrain's ring attention on an abstract mesh."""
-    import flax.linen as nn
-    from meshtrain import mesh as mesh_lib, sharding
-    from meshtrain.estimate import _abstract_mesh
-    from meshtrain.models.llama import REMAT_POLICIES, Block
     model_cfg = self.model
     block = Block if model_cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[model_cfg.remat],
                                                               prevent_cse=False)
@@ -205,21 +200,22 @@ class LayerStack(tasks.BlockStack):
                     length=2, metadata_params={nn.PARTITION_NAME: "layers"})(model_cfg)
     L, D, dtype = length, model_cfg.d_model, jnp.dtype(model_cfg.dtype)
     sizes = {a: 1 for a in mesh_lib.AXES} | {"sequence": shards}
-    mesh = _abstract_mesh(sizes)
+    mesh = costs.abstract_mesh(sizes)
     # The parameters' shapes do not depend on the split sequence: taken outside the mesh (no ring to trace).
     params = jax.eval_shape(lambda: nn.meta.unbox(stack.init(jax.random.key(0), jnp.zeros((1, L, D), dtype),
                                                              jnp.arange(L))["params"]))
     loss = lambda p, x: stack.apply({"params": p}, x, jnp.arange(L))[0].astype(jnp.float32).sum()
-    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.for_mesh(sharding.rules_for("dp"), mesh)):
+    rules = sharding.for_mesh(sharding.rules_for("dp"), mesh)
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules):
       return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jax.ShapeDtypeStruct((batch, L, D), dtype))
 
 
 class CostModel:
-  """What meshtrain/estimate.py needs of the language model, from the config alone (no mesh, no devices): the
+  """What meshtrain/analysis/estimate.py needs of the language model, from the config alone (no mesh, no devices): the
   contract's `cost_model` (meshtrain/tasks/__init__.py)."""
   throughput_key = LmTask.throughput_key
   unsupported_axes: dict[str, str] = {}   # every axis splits the LM (expert only with experts: `num_experts`)
-  remat_policies = config_lib.REMAT_POLICIES
+  remat_policies = lm_config.REMAT_POLICIES
 
   def __init__(self, cfg):
     self.cfg = cfg
@@ -290,7 +286,6 @@ class CostModel:
       expert: two all-to-alls of the dispatched tokens per MoE layer forward (dispatch, combine), two backward.
     Bytes are the buffer per device per execution (full gathered size for all-gathers), summed over executions.
     """
-    from meshtrain.estimate import CollectiveList, _layer_rows, _pipeline_shape
     cfg = self.cfg
     m = cfg.model
     accum = cfg.optimizer.grad_accum_steps
@@ -298,14 +293,14 @@ class CostModel:
     layers = m.num_layers // stages
     remat_full = m.remat == "full"
     bld = b * l * m.d_model * act
-    out = CollectiveList(sizes)
+    out = costs.CollectiveList(sizes)
     add = out.add
 
     fsdp = sizes["fsdp"] > 1
-    micro, repeats, iterations = _pipeline_shape(cfg, stages)
+    micro, repeats, iterations = costs.pipeline_shape(cfg, stages)
     runs = iterations * layers // repeats  # times a device runs one of its layers, each on b / micro rows
     if sizes["data"] > 1 or fsdp:
-      layer_grads = sum(r.bytes_per_device for r in _layer_rows(gathered))
+      layer_grads = sum(r.bytes_per_device for r in costs.layer_rows(gathered))
       # An FSDP-split embedding is looked up slice by slice with every token id gathered, so its gradient needs no
       # reduction; split gradients need one more for the global-norm partial sums, and the loss sums go separately.
       other = [r for r in gathered if not r.path.startswith("layers/") and not (fsdp and r.path == "embedding")]

@@ -18,6 +18,7 @@ import pathlib
 import socket
 
 from meshtrain.errors import UserError
+from meshtrain.runtime import startup
 
 LOCK_NAME = "meshtrain.lock"
 # errno values of file systems that do not implement locking at all (as opposed to a lock held by someone).
@@ -36,10 +37,9 @@ def exclusive(workdir: pathlib.Path, process_index: int = 0, process_count: int 
     except UserError as e:
       problem = e
   if process_count > 1:
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # JAX only with several processes: one process never needs it
     import numpy as np
-    from meshtrain import runtime
-    runtime.barrier("the workdir lock", barrier_timeout_s)  # the broadcast below is the first collective
+    startup.barrier("the workdir lock", barrier_timeout_s)  # the broadcast below is the first collective
     # Every process must stop when process 0 is refused, rather than wait for it at the first collective.
     if not int(multihost_utils.broadcast_one_to_all(np.int32(problem is None))) and problem is None:
       problem = UserError(f"process 0 could not lock {pathlib.Path(workdir) / LOCK_NAME}; see its message")

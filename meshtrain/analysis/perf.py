@@ -4,6 +4,7 @@ Both report MFU from the same three numbers (model FLOPs per token, tokens per s
 so a number in metrics.jsonl and one printed by `python -m meshtrain.bench` mean the same thing.
 """
 import dataclasses
+import os
 import time
 
 
@@ -98,7 +99,6 @@ def seconds_since_process_start() -> float | None:
       start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
     with open("/proc/uptime") as f:
       uptime = float(f.read().split()[0])
-    import os
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
   except (OSError, ValueError, IndexError):
     return None

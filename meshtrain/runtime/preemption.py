@@ -61,7 +61,7 @@ class PreemptionNotice:
   def reached(self, step: int) -> bool:
     """True at the step after which every process should checkpoint and stop. Call once per step."""
     if self.distributed:
-      from jax.experimental import multihost_utils
+      from jax.experimental import multihost_utils  # JAX only here: this module is imported before runtime.start
       return multihost_utils.reached_preemption_sync_point(step)
     return self._flag.is_set()
 

@@ -1,12 +1,13 @@
 // y[M, N] = x[M, K] . w[N, K]^T in float32 for XLA's CPU backend: the products of decoding, a few rows of
-// activations against weights held [out, in] (meshtrain/models/llama.py `kernel`) and streamed from memory.
+// activations against weights held [out, in] (meshtrain/kernels/cpu_matmul.py, OutInProducts) and streamed from
+// memory.
 //
 // Why a kernel of our own: XLA's CPU dot runs [8, 768] x [50304, 768]^T (the 125m model's output projection at
 // batch 8) at ~23 GFLOP/s, ~3x the time it takes to read the weight once. Here each tile of 3 weight rows is read
 // from memory once, prefetched one tile ahead, and used against every activation row from L1 (register tiles of
 // activation rows x 3 weight rows: with AVX-512's 32 vector registers 8 x 3 accumulators of 16 floats, so decoding's
 // batch of 8 is one pass; with AVX2's 16, 4 x 3 of 8 floats). Rows of the output are split over XLA's own intra-op
-// thread pool. Built by meshtrain/cpu_matmul.py on first use, for the machine it runs on (-march=native).
+// thread pool. Built by meshtrain/kernels/cpu_matmul.py on first use, for the machine it runs on (-march=native).
 #include <algorithm>
 #include <cstdint>
 

@@ -2,7 +2,7 @@
 
 A fine-tuning run takes only the parameters of another run (or of a converted Hugging Face model) and starts
 its own history: step 0, a fresh optimizer state, its own data, schedule and workdir. The parameters are read
-straight into this run's shardings (`checkpoint.load_params`), so the source may have been trained on any mesh.
+straight into this run's shardings (`reader.load_params`), so the source may have been trained on any mesh.
 
   PATH                      a workdir: its newest complete checkpoint
   PATH/checkpoints/N        that workdir's step N
@@ -10,13 +10,19 @@ straight into this run's shardings (`checkpoint.load_params`), so the source may
 import dataclasses
 import pathlib
 
-from meshtrain import checkpoint, config as config_lib
+import jax
+import orbax.checkpoint as ocp
+
+from meshtrain import step as step_lib
+from meshtrain.checkpoint import reader
+from meshtrain.checkpoint.integrity import INTEGRITY_KEY
 from meshtrain.errors import UserError
+from meshtrain.tasks import lm_config
 
 # Model fields that decide what the loaded parameters compute: a different value would fine-tune another function
 # of the same numbers (a rotary base, the fan_in scaling folded into the forward pass), silently. param_dtype is
 # not among them: the parameters are cast to this run's storage dtype (bfloat16 weights fine-tuned in float32).
-MODEL_FIELDS = tuple(f for f in config_lib.SHAPE_FIELDS if f != "param_dtype") + ("init", "rope_theta", "norm_eps",
+MODEL_FIELDS = tuple(f for f in lm_config.SHAPE_FIELDS if f != "param_dtype") + ("init", "rope_theta", "norm_eps",
                                                                                   "experts_per_token")
 HOW = ("point --config.init_from at a meshtrain workdir (its newest checkpoint), at WORKDIR/checkpoints/N for step N, "
        "or at a converted Hugging Face model (python -m meshtrain.convert from-hf HF_DIR --workdir W)")
@@ -47,7 +53,7 @@ def resolve(cfg) -> Source:
     raise UserError(f"init_from={spec!r} does not exist; {HOW}")
   if not path.is_dir():
     raise UserError(f"init_from={spec!r} is a file, not a directory; {HOW}")
-  steps = checkpoint.checkpoint_steps(path)
+  steps = reader.checkpoint_steps(path)
   if not steps:
     raise UserError(f"init_from={spec!r} holds no complete checkpoint (nothing under {path / 'checkpoints'}); {HOW}")
   if step is not None and step not in steps:
@@ -62,7 +68,6 @@ def resolve(cfg) -> Source:
 def _read_meta(workdir: pathlib.Path, step: int) -> dict:
   """The meta item of the step, read before any parameter so that a mismatch costs no restore (load_params
   verifies its checksum when it reads the parameters)."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   try:
     meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(workdir / "checkpoints" / str(step) / "meta")
   except Exception as e:  # Orbax raises many kinds for a damaged or foreign file; the user needs which and where
@@ -71,7 +76,7 @@ def _read_meta(workdir: pathlib.Path, step: int) -> dict:
   if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
     raise UserError(f"the checkpoint at step {step} in {workdir} has no readable config in its meta item, so its "
                     f"model is unknown; {HOW}")
-  meta.pop(checkpoint.INTEGRITY_KEY, None)
+  meta.pop(INTEGRITY_KEY, None)
   return meta
 
 
@@ -110,10 +115,7 @@ def _flag_value(value) -> str:
 def initial_state(layout, source: Source):
   """The TrainState a fine-tuning run starts from: the source's parameters in this run's shardings (and
   param_dtype), a fresh optimizer state, step 0."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from meshtrain import step as step_lib  # pylint: disable=g-import-not-at-top
-
-  params, _ = checkpoint.load_params(source.workdir, source.step, shardings=layout.state_sharding.params)
+  params, _ = reader.load_params(source.workdir, source.step, shardings=layout.state_sharding.params)
   dtypes = jax.tree.map(lambda a: a.dtype, layout.state_abstract.params)
 
   def fresh(params):

@@ -1,6 +1,7 @@
-"""`matmul_nt(x_TK, w_NK)` = x . w^T: in float32 on the CPU backend by meshtrain/cpu_matmul.cc (why: see there),
-otherwise (GPU, bfloat16) by XLA's own dot. Decoding uses it for every weight held [out, in]
-(meshtrain/models/llama.py `dense`).
+"""`matmul_nt(x_TK, w_NK)` = x . w^T: in float32 on the CPU backend by meshtrain/kernels/cpu_matmul.cc (why: see
+there), otherwise (GPU, bfloat16) by XLA's own dot. `OutInProducts` hands it to the model (ModelConfig.products):
+dense weights held [out, in], every product through matmul_nt. The generator (meshtrain/inference/generator.py)
+chooses it on the CPU backend; the model never imports this module.
 
 The kernel is compiled with the machine's C++ compiler (`$CXX`, else `c++`) on first use and cached under
 `$XDG_CACHE_HOME/meshtrain` (default `~/.cache/meshtrain`), keyed by the source, the compiler flags, jaxlib's version
@@ -13,9 +14,11 @@ output features split over the batch's own axis (fsdp), is gathered first, which
 fsdp need anyway.
 """
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -23,9 +26,12 @@ import subprocess
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain.models import llama
 
 SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
@@ -77,7 +83,7 @@ def available() -> bool:
     library = ctypes.cdll.LoadLibrary(str(path))
   except (OSError, subprocess.CalledProcessError) as e:
     detail = getattr(e, "stderr", "") or str(e)
-    log.warning("meshtrain.cpu_matmul: could not build %s (%s); CPU decoding uses XLA's dot instead (slower)",
+    log.warning("meshtrain.kernels.cpu_matmul: could not build %s (%s); CPU decoding uses XLA's dot instead (slower)",
                 SOURCE.name, detail.strip().splitlines()[-1] if detail.strip() else type(e).__name__)
     return False
   jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.MeshtrainMatmulNT), platform="cpu")
@@ -119,6 +125,32 @@ _partitioned.def_partition(_partition, sharding_rule="t k, n k -> t n", need_rep
 def matmul_nt(x_TK, w_NK):
   """[T, K] x [N, K] -> [T, N], contracting both operands' minor dimension. Inference only: the kernel has no
   gradient."""
-  if jax.default_backend() == "cpu" and x_TK.dtype == w_NK.dtype == jax.numpy.float32 and available():
+  if jax.default_backend() == "cpu" and x_TK.dtype == w_NK.dtype == jnp.float32 and available():
     return _partitioned(x_TK, w_NK)
   return _xla(x_TK, w_NK)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutInProducts(llama.DenseProducts):
+  """Dense weights stored [out..., in...] (torch's nn.Linear layout; drawn in the model's [in..., out...] and
+  transposed, so the same numbers), every product by `matmul_nt`: generation's choice on the CPU. Inference only
+  (the kernel has no gradient).
+
+  Why: XLA's CPU matmul of a few rows against a weight streamed from memory is faster when both operands contract
+  over their minor dimension, and this module's kernel more so (measured: see benchmarks/). Only a weight that is
+  stored that way gets the fast matmul: turning a [in, out] weight around inside the program is a copy of it per
+  token, and a column-major layout of it (jax's Format API) XLA copies back to row-major for the dot. The tied
+  embedding [V, D] is [out, in] already."""
+
+  def permutation(self, ndim: int, n_in: int) -> tuple[int, ...]:
+    return tuple(range(n_in, ndim)) + tuple(range(n_in))
+
+  def __call__(self, x, w, features: str):
+    """As llama.dense, with `w` [out..., in...]; `features` still names the model's layout ("D,DF->F")."""
+    inputs, out = features.split("->")
+    x_in = inputs.split(",")[0]
+    if llama.context_axis():  # the sequence is split over devices: merging it with the batch would reshard
+      return jnp.einsum(f"BL{x_in},{out + x_in}->BL{out}", x, w)
+    k = math.prod(x.shape[2:])
+    y = matmul_nt(x.reshape(-1, k), w.reshape(-1, k))
+    return y.reshape(*x.shape[:2], *w.shape[:len(out)])

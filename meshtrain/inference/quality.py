@@ -21,6 +21,7 @@ for it once per process.
 import functools
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from meshtrain.data import digits
 
@@ -38,7 +39,6 @@ class Judge:
 
   def __init__(self):
     from sklearn.neural_network import MLPClassifier  # pylint: disable=g-import-not-at-top
-    from threadpoolctl import threadpool_limits  # pylint: disable=g-import-not-at-top
     train_images, train_labels = digits.load_split("train")
     test_images, self.test_labels = digits.load_split("test")
     self.test_images01 = test_images.astype(np.float64) / 255

@@ -24,12 +24,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+from jax._src.interpreters import partial_eval as pe  # jit's own dead-code elimination, not public API
 from jax.extend import core as jcore
-from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import mesh as mesh_lib, optim, sharding, tasks
-from meshtrain.hlo import Collective
-from meshtrain.tasks import lm
+from meshtrain.analysis import costs
+from meshtrain.analysis.hlo import Collective
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -61,13 +62,6 @@ class Estimate:
     return self.arguments_bytes_per_device + self.temp_bytes_per_device
 
 
-def _abstract_mesh(sizes: dict) -> AbstractMesh:
-  """The mesh of `sizes` (mesh axis -> size) without devices, with Auto axes like mesh.make_mesh's: an AbstractMesh's
-  axes default to Explicit on JAX 0.12 (Auto on 0.10), and the model's sharding constraints assert on Explicit axes."""
-  return AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES,
-                      axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
-
-
 def _scan_groups(eqn) -> tuple[int, int]:
   """(consts, carry): how many of a `scan` equation's inputs are loop-invariant constants and how many the carry.
 
@@ -81,7 +75,7 @@ def _scan_groups(eqn) -> tuple[int, int]:
 
 
 def rules_for_layout(cfg, sizes: dict):
-  mesh = _abstract_mesh(sizes)
+  mesh = costs.abstract_mesh(sizes)
   return mesh, sharding.for_mesh(sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel), mesh)
 
 
@@ -109,7 +103,6 @@ def _layer_residuals(stack, length: int, fused_attention: bool, shards: int = 1)
   hand-written formula; parameters are not counted. Fused attention (cuDNN flash attention on GPUs) keeps no
   [L, L] scores.
   """
-  from jax._src.interpreters import partial_eval as pe  # jit's own dead-code elimination, not in the public API
   L, D = length * shards, stack.width
   # A batch of p sequences, p a prime that divides no other dimension: a residual is per sequence iff p divides
   # its size. (Concrete, not symbolic: a symbolic batch changes which residuals JAX keeps in the ring's conds.)
@@ -154,19 +147,9 @@ def _layer_residuals(stack, length: int, fused_attention: bool, shards: int = 1)
 def _optimizer_scalar_bytes(optimizer_json: str, steps: int) -> int:
   """Bytes of the optimizer's replicated scalar counters (step counts): they do not depend on the parameters, so
   a one-leaf tree stands in for the model, and the planner traces this once per optimizer, not per layout."""
-  import ml_collections
   tx = optim.make_optimizer(ml_collections.ConfigDict(json.loads(optimizer_json)), steps)
   state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
   return sum(x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim == 0)
-
-
-def _pipeline_shape(cfg, stages: int) -> tuple[int, int, int]:
-  """(micro-batches M, passes R, loop iterations R*M + S - 1) of the pipeline schedule; (1, 1, 1) without stages."""
-  if stages == 1:
-    return 1, 1, 1
-  micro = cfg.pipeline.microbatches
-  repeats = lm.pipeline_repeats(cfg, stages)
-  return micro, repeats, repeats * micro + stages - 1
 
 
 def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False) -> Estimate:
@@ -182,7 +165,7 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   m, n_dev = cfg.model, math.prod(sizes.values())
   accum = cfg.optimizer.grad_accum_steps
   stages, tensor, shards = sizes["stage"], sizes["tensor"], sizes["sequence"]
-  micro, repeats, iterations = _pipeline_shape(cfg, stages)
+  micro, repeats, iterations = costs.pipeline_shape(cfg, stages)
   batch_ways = math.prod(sizes[a] for a in mesh_lib.BATCH_AXES)
   b = cfg.batch_size // accum // batch_ways        # sequences (images) per device per micro-step
   l = model.length // shards                       # tokens of each sequence on a device
@@ -211,7 +194,7 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   # weight and layer in its collectives), not kept; the LM's are norm scales, kept.
   layer_fixed = 0 if stack.fixed_are_weights and sizes["fsdp"] > 1 else kept.layer_fixed
   stacked = runs * (rows * kept.layer + layer_fixed) + rows * kept.shared + kept.fixed
-  layer_weights = sum(r.bytes_per_device for r in _layer_rows(gathered)) // layers
+  layer_weights = sum(r.bytes_per_device for r in costs.layer_rows(gathered)) // layers
   if repeats > 1:
     # The circular schedule picks each iteration's pass of weights with a gather inside the loop: to autodiff
     # those are values of the iteration like any other, kept for every layer run.
@@ -261,24 +244,6 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
       batch_bytes_per_device=(cfg.batch_size // batch_ways) * model.batch_bytes_per_example(l),
       model_flops_per_step=model_flops, flops_per_step=model_flops + recomputed, bubble=bubble,
       collectives=model.collectives(sizes, table, gathered, b, l, act))
-
-
-def _layer_rows(rows):
-  return [r for r in rows if r.path.startswith("layers/")]
-
-
-class CollectiveList(list):
-  """Collectives per device per step as a task's `collectives` derives them: `add` drops mesh axes of size 1 (and
-  a collective left with none, or run zero times)."""
-
-  def __init__(self, sizes: dict):
-    super().__init__()
-    self.sizes = sizes
-
-  def add(self, kind: str, axes, count, nbytes) -> None:
-    axes = tuple(a for a in mesh_lib.AXES if a in axes and self.sizes[a] > 1)
-    if axes and count:
-      self.append(Collective(kind, axes, int(count), int(nbytes), True))
 
 
 def link_of(axes, across_nodes: dict) -> str:

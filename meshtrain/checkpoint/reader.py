@@ -1,0 +1,168 @@
+"""Reading checkpoints without resuming them: their steps, a run's meta item (plain JSON), and the parameters
+alone (host arrays or any mesh), all at once (`load_params`) or one at a time (`param_reader`)."""
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from meshtrain.checkpoint.checkpointer import REQUIRED
+from meshtrain.checkpoint.integrity import CheckpointDamaged, restore_problem, verified_meta
+from meshtrain.checkpoint.orbax_output import quiet_absl, stderr_to
+from meshtrain.errors import UserError
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  """The complete checkpoint steps under WORKDIR/checkpoints (every marker and metadata file there), oldest first."""
+  directory = pathlib.Path(workdir).expanduser().absolute() / "checkpoints"
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and all((p / name).is_file() for name in REQUIRED))
+
+
+def run_meta(workdir_arg: str, step: int | None, what: str) -> tuple[int, dict]:
+  """(step, meta item) of the checkpoint at `step` (default: the newest) of the workdir `workdir_arg` names, read as
+  plain JSON (no JAX), so an entry point can still set the device count and XLA flags from the run's config.
+  `what` completes the message for a workdir without checkpoints ("pass the directory of ...")."""
+  workdir = pathlib.Path(workdir_arg).expanduser()
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise UserError(f"--workdir {workdir_arg}: " + ("no such directory" if not workdir.is_dir() else
+                    "no complete checkpoint in it") + f"; pass the directory of {what}")
+  if step is not None and step not in steps:
+    raise UserError(f"--step {step}: {workdir_arg} has checkpoints at steps {', '.join(map(str, steps))}")
+  step = step if step is not None else steps[-1]
+  meta_path = workdir / "checkpoints" / str(step) / "meta" / "metadata"
+  try:
+    meta = json.loads(meta_path.read_text())
+    meta["config"]  # pylint: disable=pointless-statement
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"cannot read the run's config from {meta_path}: {e}") from e
+  return step, meta
+
+
+def task_of(meta: dict) -> str:
+  """The task a checkpoint was trained for; checkpoints from before tasks existed are language models."""
+  return meta.get("task", meta["config"].get("task", "lm"))
+
+
+def load_params(workdir, step: int | None = None, mesh=None, shardings=None, rules=None):
+  """The parameters saved in `workdir` at `step` (default: the newest), and that checkpoint's meta item.
+
+  Only the `params` subtree of the `state` item is read (a partial restore: no optimizer state is touched), from a
+  trained run (a TrainState) or a converted one (`{"params": ...}`, meta `params_only`). With `mesh=None` the
+  leaves are numpy arrays on the host; with a mesh they are jax Arrays split by the model's logical rules (`rules`,
+  default the `fsdp_tp` preset: whatever fsdp and tensor axes the mesh has split the weights, other axes
+  replicate them), or by `shardings`, a tree of Shardings like the params. Any mesh or device count works:
+  Orbax is told the target of every array, so it never needs the topology that wrote them (a plain
+  `StandardCheckpointer().restore(.../state)` does, and fails on another one with "Topology mismatch").
+  Missing checkpoints or a step that is not there: UserError.
+  """
+  source = _ParamsSource(workdir, step)
+  if mesh is None and shardings is None:
+    return source.restore(source.stored), source.meta
+  if shardings is None:
+    shardings = _param_shardings(source.meta, mesh, rules, source.stored, source.workdir, source.step)
+  target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), source.stored, shardings)
+  return source.restore(target, ocp.checkpoint_utils.construct_restore_args(target)), source.meta
+
+
+def param_reader(workdir, step: int | None = None):
+  """(meta, stored, read) for reading parameters one at a time, as load_params reads them all (same checks, same
+  errors): `stored` is the params' tree of Orbax metadata (`.shape`, `.dtype` per leaf) and `read(path)` restores
+  the one parameter at `path` (a tuple of keys) as a numpy array. A model larger than memory can be exported
+  this way holding one array at a time."""
+  source = _ParamsSource(workdir, step)
+
+  def read(path: tuple):
+    leaf = source.stored
+    for key in path:
+      leaf = leaf[key]
+    for key in reversed(path):  # the subtree holding only `leaf`: Orbax restores nothing else (partial restore)
+      leaf = {key: leaf}
+    node = source.restore(leaf)
+    for key in path:
+      node = node[key]
+    return node
+
+  return source.meta, source.stored, read
+
+
+class _ParamsSource:
+  """The checkpoint load_params and param_reader read: step directory, verified meta item, and the metadata of
+  the stored params (found before any array is read, so a wrong workdir or step costs no restore)."""
+
+  def __init__(self, workdir, step: int | None):
+    workdir = pathlib.Path(workdir).expanduser().absolute()
+    steps = checkpoint_steps(workdir)
+    if not steps:
+      what = "no such directory" if not workdir.is_dir() else "no complete checkpoint in its checkpoints/ directory"
+      raise UserError(f"cannot load parameters from {workdir}: {what}; pass the --workdir of a training run (or of "
+                      "python -m meshtrain.convert from-hf)")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise UserError(f"{workdir} has no complete checkpoint at step {step}; it has steps "
+                      f"{', '.join(map(str, steps))}")
+    step_dir = workdir / "checkpoints" / str(step)
+    try:
+      meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
+      meta, _ = verified_meta(meta)
+    except CheckpointDamaged as e:
+      raise UserError(f"the checkpoint at step {step} ({step_dir}) is damaged: {e}") from e
+    if meta.get("layer_order", "sequential") != "sequential":
+      raise UserError(f"the checkpoint at step {step} in {workdir} stores its layers in {meta['layer_order']} "
+                      "order (a circular pipeline's); load it in a run with the same pipeline settings instead")
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+      with quiet_absl():  # reading an item on its own, Orbax warns that the step's own metadata file is not its
+        stored = checkpointer.metadata(step_dir / "state").item_metadata.tree
+    finally:
+      checkpointer.close()
+    if not isinstance(stored, dict) or "params" not in stored:
+      raise UserError(f"the checkpoint at step {step} in {workdir} holds no params (its state has "
+                      f"{sorted(stored) if isinstance(stored, dict) else type(stored).__name__})")
+    self.workdir, self.step, self.step_dir, self.meta, self.stored = workdir, step, step_dir, meta, stored["params"]
+
+  def restore(self, target, restore_args=None):
+    """The params in `target` (a subtree of `stored`, or ShapeDtypeStructs with shardings and their
+    `restore_args`); numpy arrays on the host when no restore_args are given."""
+    if restore_args is None:
+      restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+      target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), target)  # never touched: no memory
+    log = self.workdir / "diagnostics" / f"load-params-step{self.step}-process{jax.process_index()}.log"
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+      with stderr_to(log, keep_empty=False), quiet_absl():
+        restored = checkpointer.restore(self.step_dir / "state", args=ocp.args.PyTreeRestore(
+            {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+    except Exception as e:
+      raise UserError(f"the checkpoint at step {self.step} ({self.step_dir}) cannot be read: "
+                      f"{restore_problem(e, self.step_dir)} (Orbax's own report: {log})") from e
+    finally:
+      checkpointer.close()
+    return restored["params"]
+
+
+def _param_shardings(meta: dict, mesh, rules, stored, workdir, step):
+  """NamedShardings of the checkpoint's params on `mesh`, from the model's logical axis names and the rules."""
+  # Flax and the model only here: a command that reads only meta items or host arrays does not import them.
+  import flax.linen as nn
+  from meshtrain import sharding
+  from meshtrain.models.llama import ModelConfig, Transformer
+  model_cfg = ModelConfig.from_config(meta["config"]["model"])
+  boxed = jax.eval_shape(Transformer(model_cfg).init, jax.random.key(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))
+  boxed = boxed["params"]
+  expected = {jax.tree_util.keystr(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(
+      nn.meta.unbox(boxed))}
+  found = {jax.tree_util.keystr(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(stored)}
+  if expected != found:
+    diff = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+    raise UserError(f"the params at step {step} in {workdir} do not match the model in its own config: "
+                    + "; ".join(f"{k}: config {expected.get(k)}, stored {found.get(k)}" for k in diff[:4]))
+  rules = sharding.for_mesh(rules or sharding.rules_for("fsdp_tp"), mesh)
+  sharding.param_table(boxed, mesh, rules)  # a dimension the mesh cannot split evenly is named (UserError)
+  return sharding.shardings_of(boxed, mesh, rules)

@@ -1,0 +1,110 @@
+"""Resume or start fresh: the checks a checkpoint passes before a run continues it, and what decides between
+resuming the workdir's own checkpoints and starting from `--config.init_from` (or from scratch).
+
+A workdir with checkpoints resumes them, whatever init_from says, so a fine-tuning source deleted since the run
+started does not stop its resumption. Every refusal is a UserError naming the step, what differs and the flag
+that resumes it, raised before anything is compiled.
+"""
+import dataclasses
+import pathlib
+from collections.abc import Callable
+
+from meshtrain import config as config_lib
+from meshtrain.checkpoint import init_from, reader
+from meshtrain.data import tokenizer as tokenizer_lib
+from meshtrain.errors import UserError
+
+
+def fine_tune_source(cfg, workdir: pathlib.Path) -> init_from.Source | None:
+  """The checkpoint a fine-tuning run starts from, checked first (it exists, its model is this run's); None when
+  not fine-tuning or when the workdir has checkpoints of its own to resume."""
+  return init_from.resolve(cfg) if cfg.init_from and not reader.checkpoint_steps(workdir) else None
+
+
+def check_compatible(saved_config: dict, model_cfg, shape_fields: tuple[str, ...], step: int, directory) -> None:
+  """A checkpoint of another model shape cannot be resumed: name every differing field before anything runs."""
+  saved_model = saved_config.get("model", {})
+  diffs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, this run {model_cfg[k]!r}"
+           for k in shape_fields if saved_model.get(k) != model_cfg[k]]
+  if diffs:
+    raise UserError(f"the checkpoint at step {step} in {directory} was written by a different model shape:\n  "
+                    + "\n  ".join(diffs) + "\nuse the same model settings to resume, or a new --workdir to start over")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeCheck:
+  """`check_meta(step, meta)` for Checkpointer.restore_latest: refuses a checkpoint this run cannot continue (a
+  converted model, another task, model shape, tokenizer, layer order or data order) and logs the schedule and
+  data fields it continues with changed."""
+  cfg: object
+  workdir: pathlib.Path
+  directory: pathlib.Path          # WORKDIR/checkpoints, as the messages name it
+  shape_fields: tuple[str, ...]    # the task's model fields that decide the state's shapes
+  layer_order: str                 # this run's ("sequential", or a circular pipeline's)
+  tok: object                      # this run's tokenizer; None for tasks that read no text
+  log: Callable[[str], None]
+
+  def __call__(self, step: int, meta: dict) -> None:
+    cfg = self.cfg
+    if meta.get("params_only"):
+      raise UserError(f"{self.workdir} holds converted parameters (no optimizer state or data position to resume); "
+                      f"use --config.init_from={self.workdir} with a new --workdir to fine-tune them")
+    if (trained_task := meta.get("task", "lm")) != cfg.task:  # checkpoints from before tasks are language models
+      raise UserError(f"the checkpoint at step {step} in {self.directory} was trained with task={trained_task}, "
+                      f"this run has task={cfg.task}; resume it with its own config, or start a new --workdir")
+    check_compatible(meta["config"], cfg.model, self.shape_fields, step, self.directory)
+    if self.tok is not None:
+      self._check_tokenizer(step, meta)
+    if meta.get("layer_order", "sequential") != self.layer_order:
+      raise UserError(f"the checkpoint at step {step} in {self.directory} stores its layers in "
+                      f"{meta['layer_order']} order, this run in {self.layer_order} order; use its pipeline settings "
+                      "to resume")
+    self._check_data_order(step, meta)
+
+  def _check_tokenizer(self, step: int, meta: dict) -> None:
+    """By the file's fingerprint, not data.tokenizer's string: a moved copy is the same tokenizer. Checkpoints from
+    before tokenizers were recorded are bytes. Refused even with allow_data_change: the ids would mean other text."""
+    trained_with = meta.get("tokenizer") or {"kind": "byte", "fingerprint": "byte"}
+    if trained_with["fingerprint"] != self.tok.fingerprint:
+      raise UserError(f"the checkpoint at step {step} in {self.directory} was trained with the "
+                      f"{trained_with['kind']} tokenizer {trained_with['fingerprint'][:12]}, this run has the "
+                      f"{self.tok.kind} tokenizer {self.tok.fingerprint[:12]} "
+                      f"(data.tokenizer={self.cfg.data.tokenizer!r}); resume with "
+                      f"--config.data.tokenizer={self.workdir / tokenizer_lib.WORKDIR_SUBDIR} (the run's copy), or "
+                      "start a new workdir")
+
+  def _check_data_order(self, step: int, meta: dict) -> None:
+    """Another data order is refused unless allow_data_change; every changed data or schedule field is logged."""
+    cfg = self.cfg
+    data_changes = config_lib.changes(meta["config"], cfg, config_lib.DATA_ORDER_FIELDS)
+    if data_changes and not cfg.allow_data_change:
+      raise UserError(f"the checkpoint at step {step} in {self.directory} was trained on another data order: "
+                      + "; ".join(f"{k}: checkpoint {old!r}, this run {new!r}" for k, old, new in data_changes)
+                      + ". Resuming would silently change which batches come next; use the checkpoint's values, or "
+                      "rerun with --config.allow_data_change=true to continue with the new ones")
+    for key, old, new in data_changes + config_lib.changes(meta["config"], cfg, config_lib.schedule_fields(cfg)):
+      self.log(f"resuming with {key} changed: {old!r} -> {new!r}")
+
+
+def restore(ckpt, cfg, workdir: pathlib.Path, layout, tok, init: init_from.Source | None,
+            log: Callable[[str], None]) -> tuple[int | None, object, dict | None]:
+  """(step, state, init record) of the newest usable checkpoint, restored straight into this run's shardings
+  (another mesh or process count needs no conversion); (None, None, record) when the run starts fresh. The init
+  record (where a fine-tuning run's parameters came from) goes into every checkpoint of the run, resumed or not."""
+  check = ResumeCheck(cfg, workdir, ckpt.directory, layout.task.shape_fields, layout.layer_order, tok, log)
+  start, state, resumed_meta = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
+  if start is not None and cfg.init_from:
+    log(f"init_from={cfg.init_from!r} is ignored: {workdir} has checkpoints of its own, resuming from step {start}")
+  if init is not None and layout.layer_order != "sequential":
+    raise UserError(f"init_from needs the layers in sequential order, but this run stores them in "
+                    f"{layout.layer_order} order; fine-tune with pipeline.schedule=gpipe or pipeline.repeats=1")
+  init_record = init.describe() if init is not None else (resumed_meta or {}).get("init_from")
+  return start, state, init_record
+
+
+def checkpoint_meta(cfg, layout, tok, init_record: dict | None) -> dict:
+  """What every checkpoint of this run records besides the data position: what ResumeCheck reads back (config,
+  task, layer order, tokenizer) and, for a fine-tuning run, where its parameters came from."""
+  return {"config": cfg.to_dict(), "task": cfg.task, "layer_order": layout.layer_order,
+          **({"tokenizer": tok.describe()} if tok is not None else {}),
+          **({"init_from": init_record} if init_record else {})}

@@ -1,0 +1,70 @@
+"""What a config selects: its tokenizer and, for a split, its source.
+
+`tokenizer_for_config` loads the tokenizer cfg.data.tokenizer names (bytes, a file, or a bpe:N trained on the
+dataset's train split the first time and cached). `make_source` picks the source family: labelled images for
+task=dit (meshtrain/data/images.py), random tokens for data.name=synthetic (sources.py), prompt/completion rows for
+data.format=prompt_completion (sft.py), and otherwise documents packed into sequences (packing.py).
+"""
+import re
+import time
+
+from meshtrain.data import images, packing, sources, tfds_access, tokenizer
+from meshtrain.errors import UserError
+
+
+def tokenizer_for_config(cfg) -> tokenizer.Tokenizer:
+  """The tokenizer cfg.data.tokenizer names; "bpe:N" is trained on the dataset's train split the first time and
+  cached under the TFDS data dir (keyed by the dataset's name, version and split, and N)."""
+  spec = str(cfg.data.tokenizer)
+  vocab_size = tokenizer.parse_bpe_spec(spec)
+  if vocab_size is None:
+    return tokenizer.load(spec)
+  if cfg.data.name == sources.SYNTHETIC:
+    raise UserError(f"data.tokenizer={spec!r} is trained on the dataset's text, and data.name=synthetic has none; "
+                    "use data.tokenizer=byte with synthetic data")
+  texts, info, cache_root = packing.train_texts(cfg)
+  slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.data.train_split)
+  out_dir = (cache_root / "meshtrain_tokenizers" / info.full_name.replace("/", "__") /
+             f"bpe{vocab_size}-{slug}-{cfg.data.text_key}")
+  if (out_dir / tokenizer.HF_FILE).is_file():
+    return tokenizer.load(out_dir)
+  with tfds_access.file_lock(out_dir.with_name(f".{out_dir.name}.lock")):
+    if not (out_dir / tokenizer.HF_FILE).is_file():  # another process may have trained it while we waited
+      t0 = time.perf_counter()
+      tokenizer.train_bpe(texts, vocab_size, out_dir, length=len(texts))
+      print(f"trained a {vocab_size}-id byte-level BPE on {len(texts)} documents of {info.full_name}/"
+            f"{cfg.data.train_split} in {time.perf_counter() - t0:.1f}s; cached in {out_dir}", flush=True)
+  return tokenizer.load(out_dir)
+
+
+def check_vocab(cfg, tok: tokenizer.Tokenizer) -> None:
+  """Refuses a model whose embedding cannot hold every id `tok` emits."""
+  if cfg.model.vocab_size < tok.vocab_size:
+    where = f" ({tok.path})" if tok.path else ""
+    raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of the {tok.kind} "
+                    f"tokenizer{where}, which has {tok.vocab_size} ids; set --config.model.vocab_size="
+                    f"{tok.vocab_size} or more" + (f" (or data.name={sources.SYNTHETIC} for random tokens)"
+                                                   if tok.kind == tokenizer.BYTE else ""))
+
+
+def make_source(cfg, split: str, shuffle: bool,
+                tok: tokenizer.Tokenizer | None = None) -> sources.Source | images.ImageSource:
+  """The source for `split` of `cfg.data.name`; shuffle=True: a new permutation each epoch, else plain order.
+  task=dit: an image source (meshtrain/data/images.py; `tok` is not used).
+
+  `tok`: the tokenizer (default: the one cfg.data.tokenizer names, trained first if it is bpe:N).
+  """
+  data, name = cfg.data, cfg.data.name
+  if cfg.get("task", "lm") == "dit":  # labelled images, not tokens: meshtrain/data/images.py
+    return images.make_source(cfg, split, shuffle)
+  if name == sources.SYNTHETIC:  # seq_len > 0 and the rest of the config: config.validate, which every entry point runs
+    return sources.SyntheticSource(cfg.seed, split, cfg.seq_len, cfg.model.vocab_size)
+  tok = tok or tokenizer_for_config(cfg)
+  check_vocab(cfg, tok)
+  if data.format == "prompt_completion":  # one prompt/completion example per row: meshtrain/data/sft.py
+    # sft imports tensorflow_datasets: loaded only for prompt/completion data.
+    from meshtrain.data import sft  # pylint: disable=g-import-not-at-top
+    return sft.make_source(cfg, split, shuffle, tok)
+  ds = packing.open_split(cfg, split)
+  return packing.TfdsSource(ds, name=name, split=split, text_key=data.text_key, seq_len=cfg.seq_len, seed=cfg.seed,
+                            shuffle=shuffle, index_dir=tfds_access.index_dir(ds), tok=tok)

@@ -1,0 +1,413 @@
+"""Hugging Face Llama checkpoints in and out (`from_hf`, `to_hf`): the library of `python -m meshtrain.convert`.
+
+from_hf writes W/checkpoints/0 (parameters only, meta `params_only`), W/config.json (the matching meshtrain
+config) and W/tokenizer/ (the model's tokenizer files), so `python -m meshtrain.generate --workdir W` and
+`train --config.init_from=W` work on it. to_hf writes safetensors, config.json (LlamaForCausalLM) and the
+tokenizer, loadable by transformers' AutoModelForCausalLM and AutoTokenizer.
+
+Both stream, so that a model larger than the free memory converts: the process holds about its largest stored
+array (a stack of every layer's up_proj, say) plus one tensor (from_hf) or one output shard (to_hf), not the
+model. Safetensors are read and written one tensor at a time through their numpy API (no torch;
+meshtrain/interop/weights.py). from_hf copies each tensor into its slot of a stacked array memory-mapped from a file
+in the staged output (page cache, not the process's memory), then Orbax writes the arrays one at a time; to_hf
+restores one stored array at a time. Output goes to a temporary directory beside the target, renamed into place at
+the end: a failed conversion leaves nothing behind. Tokenizer files: meshtrain/interop/hf_tokenizer.py.
+
+Layouts (HF's Linear stores weight [out, in]; meshtrain stores [in, out] with heads as their own axes):
+  q_proj [H*E, D] -> q [D, H, E]      k_proj, v_proj [K*E, D] -> k, v [D, K, E]      o_proj [D, H*E] -> o [H, E, D]
+  gate_proj, up_proj [F, D] -> [D, F]  down_proj [D, F] -> [F, D]   embed_tokens [V, D] = embedding [V, D]
+  lm_head [V, D] -> head [D, V]        *_layernorm, norm [D] -> scale [D]
+The rotary convention is the same on both sides (rotate-half: the first and second half of each head form the
+pairs), so no permutation of q/k rows is needed; tests/test_convert.py checks logits against transformers.
+
+JAX and Orbax (meshtrain.checkpoint) are imported inside the functions, after the arguments are checked:
+`python -m meshtrain.convert` refuses a bad argument without loading them.
+"""
+import contextlib
+import json
+import math
+import os
+import pathlib
+import shutil
+
+import ml_dtypes
+import numpy as np
+
+from meshtrain import config as config_lib
+from meshtrain.errors import UserError
+from meshtrain.interop import hf_tokenizer, weights
+
+ARCHITECTURE = "LlamaForCausalLM"
+# Defaults of transformers' LlamaConfig, for fields a config.json may omit (transformers writes them all today,
+# older or hand-written files do not).
+HF_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False,
+               "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048, "pretraining_tp": 1}
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Each layer's HF tensors (model.layers.N.<name>) and the meshtrain parameter of the layer holding each.
+LAYER_TENSORS = {"input_layernorm.weight": ("attn_norm", "scale"), "self_attn.q_proj.weight": ("attn", "q"),
+                 "self_attn.k_proj.weight": ("attn", "k"), "self_attn.v_proj.weight": ("attn", "v"),
+                 "self_attn.o_proj.weight": ("attn", "o"), "post_attention_layernorm.weight": ("mlp_norm", "scale"),
+                 "mlp.gate_proj.weight": ("mlp", "gate"), "mlp.up_proj.weight": ("mlp", "up"),
+                 "mlp.down_proj.weight": ("mlp", "down")}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output directories: written beside the target under a temporary name, renamed into place when complete.
+
+def check_output(path: pathlib.Path, flag: str) -> None:
+  """`path` may be created: absent, or an empty directory, with a writable parent."""
+  if path.exists() or path.is_symlink():
+    if not path.is_dir():
+      raise UserError(f"{flag} {str(path)!r} exists and is not a directory; pass a new directory")
+    if any(path.iterdir()):
+      raise UserError(f"{flag} {str(path)!r} exists and is not empty; pass a new or empty directory (nothing was "
+                      "overwritten)")
+  parent = path.absolute().parent
+  while not parent.exists():
+    parent = parent.parent
+  if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    raise UserError(f"{flag} {str(path)!r} cannot be created: {str(parent)!r} is not a writable directory")
+
+
+@contextlib.contextmanager
+def staged(target: pathlib.Path):
+  """Yields a fresh directory beside `target` (same file system, so the final rename is atomic); renames it to
+  `target` on success, removes it on any failure, Ctrl-C included."""
+  target = target.absolute()
+  target.parent.mkdir(parents=True, exist_ok=True)
+  tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)  # left by a killed earlier conversion with the same pid
+  tmp.mkdir()
+  try:
+    yield tmp
+    if target.is_dir():
+      target.rmdir()  # empty (checked before starting); rename cannot replace a directory on every system
+    tmp.rename(target)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face -> meshtrain
+
+def read_hf_config(hf_dir: pathlib.Path) -> dict:
+  """The HF config.json as meshtrain model fields, or a UserError naming the first field meshtrain cannot run."""
+  path = hf_dir / "config.json"
+  if not path.is_file():
+    raise UserError(f"{str(hf_dir)!r} has no config.json; pass a Hugging Face model directory (config.json and "
+                    "*.safetensors, as save_pretrained writes)")
+  try:
+    hf = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UserError(f"{str(path)!r} is not valid JSON ({e}); pass a Hugging Face model directory") from None
+  if not isinstance(hf, dict):
+    raise UserError(f"{str(path)!r} holds a JSON {type(hf).__name__}, not an object; pass a Hugging Face model "
+                    "directory")
+  hf = {**HF_DEFAULTS, **hf}
+  archs = hf.get("architectures") or []
+  if hf.get("model_type") != "llama" or (archs and archs != [ARCHITECTURE]):
+    raise UserError(f"{str(path)!r}: model_type {hf.get('model_type')!r}, architectures {archs}; only "
+                    f"model_type 'llama' / {ARCHITECTURE} converts (meshtrain's model is the Llama architecture)")
+  missing = [k for k in REQUIRED_FIELDS if not isinstance(hf.get(k), int) or hf[k] <= 0]
+  if missing:
+    raise UserError(f"{str(path)!r} lacks a positive integer {missing[0]!r}; a Llama config.json needs "
+                    f"{', '.join(REQUIRED_FIELDS)}")
+  # Fields whose other values change the computation in ways meshtrain's model does not implement.
+  rope = hf.get("rope_parameters") or {}  # transformers >= 5: {"rope_type": ..., "rope_theta": ...}
+  scaling = hf.get("rope_scaling")       # transformers 4: None, or {"rope_type"/"type": ..., "factor": ...}
+  for field, value in (("rope_parameters.rope_type", rope.get("rope_type", "default")),
+                       ("rope_scaling", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))):
+    if value != "default":
+      raise UserError(f"{str(path)!r}: {field} is {value!r}; meshtrain's rotary embedding is the unscaled one "
+                      "(rope_type 'default'); other rope scaling is not supported")
+  unsupported = [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1)]
+  for field, expected in unsupported:
+    if hf.get(field) != expected:
+      raise UserError(f"{str(path)!r}: {field} is {hf.get(field)!r}; meshtrain's Llama supports only {field}="
+                      f"{json.dumps(expected)}")
+  heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+  rope_theta = rope.get("rope_theta", hf["rope_theta"])
+  return {
+      "vocab_size": hf["vocab_size"], "num_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"],
+      "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "mlp_dim": hf["intermediate_size"],
+      "tie_embeddings": bool(hf["tie_word_embeddings"]), "rope_theta": float(rope_theta),
+      "norm_eps": float(hf["rms_norm_eps"]), "max_position_embeddings": int(hf["max_position_embeddings"]),
+  }
+
+
+def hf_tensors(m: dict) -> dict:
+  """HF tensor name -> (meshtrain parameter path, layer index or None, HF shape) for model fields `m`."""
+  D, H, K, E, F, V = m["d_model"], m["num_heads"], m["num_kv_heads"], m["head_dim"], m["mlp_dim"], m["vocab_size"]
+  out = {"model.embed_tokens.weight": (("embedding",), None, (V, D)),
+         "model.norm.weight": (("final_norm", "scale"), None, (D,))}
+  if not m["tie_embeddings"]:
+    out["lm_head.weight"] = (("head",), None, (V, D))
+  shapes = {"input_layernorm.weight": (D,), "self_attn.q_proj.weight": (H * E, D),
+            "self_attn.k_proj.weight": (K * E, D), "self_attn.v_proj.weight": (K * E, D),
+            "self_attn.o_proj.weight": (D, H * E), "post_attention_layernorm.weight": (D,),
+            "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+  for i in range(m["num_layers"]):
+    for suffix, path in LAYER_TENSORS.items():
+      out[f"model.layers.{i}.{suffix}"] = (("layers", *path), i, shapes[suffix])
+  return out
+
+
+def meshtrain_shapes(m: dict) -> dict:
+  """meshtrain parameter path -> shape (stacked over layers), the Flax tree's layout (see the module docstring)."""
+  N, D, H, K, E, F, V = (m[k] for k in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                                        "vocab_size"))
+  shapes = {("embedding",): (V, D), ("final_norm", "scale"): (D,),
+            ("layers", "attn", "q"): (N, D, H, E), ("layers", "attn", "k"): (N, D, K, E),
+            ("layers", "attn", "v"): (N, D, K, E), ("layers", "attn", "o"): (N, H, E, D),
+            ("layers", "mlp", "gate"): (N, D, F), ("layers", "mlp", "up"): (N, D, F),
+            ("layers", "mlp", "down"): (N, F, D),
+            ("layers", "attn_norm", "scale"): (N, D), ("layers", "mlp_norm", "scale"): (N, D)}
+  if not m["tie_embeddings"]:
+    shapes[("head",)] = (D, V)
+  return shapes
+
+
+def check_tensors(files: dict, m: dict, hf_dir: pathlib.Path) -> str:
+  """Every tensor the config implies is present with its shape, nothing unexpected is there; returns the
+  param_dtype that holds the weights exactly. Reads only the safetensors headers."""
+  expected = hf_tensors(m)
+  ignored = {n for n in files if n.endswith("rotary_emb.inv_freq")}  # a buffer older transformers saved
+  if m["tie_embeddings"]:
+    ignored |= {"lm_head.weight"} & files.keys()  # some tied checkpoints store the shared matrix twice
+  unexpected = sorted(set(files) - set(expected) - ignored)
+  if unexpected:
+    raise UserError(f"{str(hf_dir)!r} holds {len(unexpected)} tensor(s) a {ARCHITECTURE} with this config.json has "
+                    f"not, e.g. {unexpected[0]!r} (biases, extra layers or another architecture); not converted")
+  missing = [n for n in expected if n not in files]
+  if missing:
+    hint = (" (tie_word_embeddings is false but there is no lm_head: set it to true if the head is the embedding)"
+            if missing == ["lm_head.weight"] else "")
+    raise UserError(f"{str(hf_dir)!r} lacks {len(missing)} tensor(s) its config.json implies, e.g. {missing[0]!r}"
+                    f"{hint}; the weights and config.json do not match")
+  dtypes = set()
+  by_file = {}
+  for name in expected:
+    by_file.setdefault(files[name], []).append(name)
+  for file, names in by_file.items():
+    with weights.open_safetensors(file) as f:
+      held = set(f.keys())
+      for name in names:
+        if name not in held:  # an index naming the wrong shard
+          raise UserError(f"model.safetensors.index.json puts {name} in {file.name}, which does not hold it; fix "
+                          "the index or re-save the model")
+        piece = f.get_slice(name)
+        shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+        if shape != expected[name][2]:
+          raise UserError(f"{file.name}: {name} has shape {list(shape)}, config.json implies "
+                          f"{list(expected[name][2])}; the weights and config.json do not match")
+        if dtype not in weights.PARAM_DTYPES:
+          raise UserError(f"{file.name}: {name} is {dtype}; meshtrain converts float32, bfloat16 and float16 weights")
+        dtypes.add(dtype)
+  # One storage dtype for all parameters (meshtrain has one param_dtype): bfloat16 only if every tensor is.
+  return "bfloat16" if dtypes == {"BF16"} else "float32"
+
+
+def _to_meshtrain(name: str, w: np.ndarray, out: np.ndarray) -> None:
+  """Copies HF tensor `w` into the meshtrain slot `out` (a view into the stacked array), transposing on the way:
+  writing through a reshaped view of the slot avoids a temporary of the transposed tensor."""
+  if name.endswith(("_layernorm.weight", "norm.weight", "embed_tokens.weight")):
+    np.copyto(out, w, casting="same_kind")
+  elif name.endswith("o_proj.weight"):  # [D, H*E] -> [H, E, D]
+    np.copyto(out.reshape(-1, out.shape[-1]), w.T, casting="same_kind")
+  else:  # [out, in] -> [in, out...]: q, k, v ([D, H, E] slots), gate, up, down, lm_head
+    np.copyto(out.reshape(out.shape[0], -1), w.T, casting="same_kind")
+
+
+def from_hf(hf_dir: str, workdir: str) -> pathlib.Path:
+  """Converts the LlamaForCausalLM in `hf_dir` into a meshtrain workdir; returns its path."""
+  src, target = pathlib.Path(hf_dir).expanduser(), pathlib.Path(workdir).expanduser()
+  if not src.is_dir():
+    raise UserError(f"HF_DIR {hf_dir!r} is not a directory; pass a Hugging Face model directory (config.json and "
+                    "*.safetensors)")
+  check_output(target, "--workdir")
+  m = read_hf_config(src)
+  files = weights.weight_files(src)
+  param_dtype = check_tensors(files, m, src)
+  tokenizer_files = hf_tokenizer.tokenizer_files(src)
+  tokenizer = hf_tokenizer.tokenizer_record(tokenizer_files, m["vocab_size"], src)
+  cfg = _meshtrain_config(m, param_dtype, tokenizer_files, target)
+
+  # Everything checked: from here on only the machine can fail, and the staged directory is removed if it does.
+  with staged(target) as tmp:
+    staging = tmp / ".params"
+    params = _read_weights(files, m, param_dtype, staging)
+    if tokenizer_files:
+      (tmp / "tokenizer").mkdir()
+      for file in tokenizer_files:
+        shutil.copyfile(file, tmp / "tokenizer" / file.name)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    meta = {"config": cfg, "params_only": True, "tokenizer": tokenizer, "layer_order": "sequential",
+            "source": {"format": "huggingface", "architecture": ARCHITECTURE, "path": str(src.absolute()),
+                       "dtype": param_dtype}}
+    weights.save_params(tmp, params, meta)
+    del params  # unmaps the staged arrays, so that removing their files frees the disk space
+    shutil.rmtree(staging)
+  return target
+
+
+def _read_weights(files: dict, m: dict, param_dtype: str, staging: pathlib.Path) -> dict:
+  """The meshtrain parameter tree of the HF tensors in `files`, in np.memmap arrays under `staging`: each HF
+  tensor is read, copied into its slot of the stacked array (transposed on the way) and dropped. Memory-mapped,
+  the model is page cache the kernel writes back and drops under pressure, not memory the process holds: a model
+  larger than the free memory converts."""
+  dtype = np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
+  staging.mkdir()
+  params = {}
+  for path, shape in meshtrain_shapes(m).items():
+    node = params
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = np.memmap(staging / ".".join(path), dtype, mode="w+", shape=shape)
+  expected = hf_tensors(m)
+  by_file = {}
+  for name in expected:
+    by_file.setdefault(files[name], []).append(name)
+  for file, names in by_file.items():
+    with weights.open_safetensors(file) as f:
+      for name in names:
+        path, layer, _ = expected[name]
+        node = params
+        for key in path:
+          node = node[key]
+        _to_meshtrain(name, f.get_tensor(name), node if layer is None else node[layer])
+  return params
+
+
+def _meshtrain_config(m: dict, param_dtype: str, tokenizer_files: list[pathlib.Path], workdir: pathlib.Path) -> dict:
+  """base_config() with the HF model's fields: the config a converted workdir records."""
+  cfg = config_lib.base_config()
+  for key in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+              "tie_embeddings", "rope_theta", "norm_eps"):
+    cfg.model[key] = m[key]
+  cfg.model.preset = "huggingface"
+  cfg.model.init = "normal"  # HF weights are used as they are: no fan_in rescaling in the forward pass
+  cfg.model.param_dtype = param_dtype
+  # Compute in float32 whatever the storage: exact on the CPU, and what the logits tests compare; generate and
+  # fine-tuning can pass --config.model.dtype=bfloat16.
+  cfg.model.dtype = "float32"
+  # The sequence length the model was trained for, capped: seq_len also sizes training batches and generation's
+  # default cache, and Llama 3's 131,072 would make those huge by default.
+  cfg.seq_len = min(m["max_position_embeddings"], 4096)
+  if "tokenizer" in cfg.data:  # meshtrain.data.tokenizer: the tokenizer travels in WORKDIR/tokenizer/
+    main = next((f.name for f in tokenizer_files if f.name in ("tokenizer.json", "tokenizer.model")), None)
+    cfg.data.tokenizer = "byte" if main is None else str(workdir.absolute() / "tokenizer" / main)
+  config_lib.validate(cfg)
+  return cfg.to_dict()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# meshtrain -> Hugging Face
+
+def hf_config(model: dict, tied: bool, dtype: str, seq_len: int, tokenizer_ids: dict) -> dict:
+  """config.json for transformers' LlamaForCausalLM with meshtrain model fields `model`."""
+  return {
+      "architectures": [ARCHITECTURE], "model_type": "llama",
+      "vocab_size": model["vocab_size"], "hidden_size": model["d_model"], "intermediate_size": model["mlp_dim"],
+      "num_hidden_layers": model["num_layers"], "num_attention_heads": model["num_heads"],
+      "num_key_value_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "hidden_act": "silu",
+      "max_position_embeddings": seq_len, "rms_norm_eps": model["norm_eps"],
+      # Both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta (and ignores the other).
+      "rope_theta": model["rope_theta"], "rope_scaling": None,
+      "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
+      "tie_word_embeddings": tied, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+      "pretraining_tp": 1, "initializer_range": model.get("init_std", 0.02), "use_cache": True,
+      "dtype": dtype, "torch_dtype": dtype, **tokenizer_ids,
+  }
+
+
+def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[str]]:
+  """Exports the parameters of `workdir` (latest step, or `step`) as a Hugging Face LlamaForCausalLM directory;
+  returns its path and notes about what changed on the way."""
+  src, target = pathlib.Path(workdir).expanduser(), pathlib.Path(out).expanduser()
+  if not (src / "checkpoints").is_dir():
+    raise UserError(f"--workdir {workdir!r} holds no checkpoints (no {str(src / 'checkpoints')!r}); pass the "
+                    "workdir of a training run or of from-hf")
+  check_output(target, "--out")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from meshtrain import checkpoint  # JAX and Orbax: only once the arguments are checked
+  meta, stored, read = checkpoint.param_reader(src, step=step)
+  model = meta["config"]["model"]
+  if model.get("num_experts", 0):
+    raise UserError(f"the model in {workdir!r} is a mixture of experts (model.num_experts={model['num_experts']}); "
+                    f"{ARCHITECTURE} has dense MLPs only, so it cannot be exported")
+  if meta.get("layer_order", "sequential") != "sequential":
+    raise UserError(f"the checkpoint in {workdir!r} stores its layers in {meta['layer_order']} order (circular "
+                    "pipeline); export a checkpoint of a run with pipeline.schedule=gpipe or no pipeline")
+  D, E = model["d_model"], model["head_dim"]
+  fan_in = model.get("init") == "fan_in"
+  tied = bool(model["tie_embeddings"])
+  notes = []
+  if tied and fan_in:
+    # The forward pass divides tied logits by sqrt(D) (MaxText's normalisation): an HF tied model cannot, so
+    # the head becomes its own matrix, embedding / sqrt(D).
+    tied = False
+    notes.append(f"model.init=fan_in with tied embeddings divides the logits by sqrt(d_model)={math.sqrt(D):g}; "
+                 "exported untied, with lm_head = embedding / sqrt(d_model) (tie_word_embeddings=false)")
+  dtype = np.dtype(stored["embedding"].dtype)
+  dtype_name = "bfloat16" if dtype.name == "bfloat16" else "float32"
+  # The forward pass multiplies w_q by sqrt(E): folded in, in float32. Exact for float32 weights and, stored as
+  # bfloat16, whenever sqrt(E) is a power of two (E = 16, 64, 256); else rounded once to bfloat16 (E = 128: within
+  # bfloat16's half-ulp, as the forward pass in a bfloat16 compute dtype would be too).
+  q_scale = math.sqrt(E) if fan_in else None
+
+  def tensors():
+    """(HF name, its [out, in] numpy array) in the order the checkpoint is read, one stored array at a time (a
+    stack of every layer's q, say): memory holds that array and the shard being built, never the model. Shards
+    group tensors by kind rather than by layer; transformers reads them through the index in any order."""
+    embedding = read(("embedding",))
+    yield "model.embed_tokens.weight", embedding
+    if not tied and "head" not in stored:  # tied + fan_in, untied on export
+      yield "lm_head.weight", (embedding.astype(np.float32) / math.sqrt(D)).astype(dtype)
+    del embedding
+    for suffix, path in LAYER_TENSORS.items():
+      scale = q_scale if suffix == "self_attn.q_proj.weight" else None
+      yield from _layer_tensors(suffix, _per_layer(read, stored, path, model["num_layers"]), scale)
+    yield "model.norm.weight", read(("final_norm", "scale"))
+    if "head" in stored:
+      yield "lm_head.weight", _to_hf("lm_head.weight", read(("head",)))
+
+  tok = hf_tokenizer.run_tokenizer(src, meta.get("tokenizer") or {})
+  with staged(target) as tmp:
+    weights.write_safetensors(tmp, tensors())
+    ids = hf_tokenizer.write_tokenizer(tmp, tok, src, meta["config"]["seq_len"])
+    (tmp / "config.json").write_text(json.dumps(hf_config(model, tied, dtype_name, meta["config"]["seq_len"], ids),
+                                                indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in ids.items() if v is not None},
+                                                           indent=2))
+  return target, notes
+
+
+def _per_layer(read, stored: dict, path: tuple, num_layers: int):
+  """Each layer's parameter at `path`, layer 0 first: slices of the one stacked array (scan_layers=true; read
+  once, released after the last layer) or each layer's own array (scan_layers=false: layer_0, layer_1, ...)."""
+  if "layers" in stored:
+    yield from read(("layers", *path))
+  else:
+    for i in range(num_layers):
+      yield read((f"layer_{i}", *path))
+
+
+def _layer_tensors(suffix: str, arrays, scale: float | None):
+  """(HF name, tensor) of every layer's `suffix` tensor from `arrays` (its meshtrain parameter, layer by layer).
+  A generator of its own so that the last layer's array is released when it ends, before the next is read."""
+  for i, w in enumerate(arrays):
+    w = _to_hf(suffix, w)
+    if scale:  # folded in float32, rounded once to the storage dtype
+      w = (w.astype(np.float32) * scale).astype(w.dtype)
+    yield f"model.layers.{i}.{suffix}", w
+
+
+def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
+  """The HF tensor `name` ([out, in]) of its meshtrain parameter `w` (one layer's): the inverse of _to_meshtrain."""
+  if name.endswith(("_layernorm.weight", "norm.weight", "embed_tokens.weight")):
+    return w
+  if name.endswith("o_proj.weight"):  # [H, E, D] -> [D, H*E]
+    return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
+  return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)  # [in, out...] -> [out, in]: q, k, v, gate, up, down, head
