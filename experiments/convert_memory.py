@@ -115,8 +115,8 @@ def main():
   m = presets.model_config(args.preset)
   t = time.perf_counter()
   weight_bytes = write_hf(root / "hf", m)
-  print(f"preset {args.preset}: {weight_bytes / 1e9:.2f} GB of bfloat16 weights written in {time.perf_counter() - t:.0f}s",
-        flush=True)
+  print(f"preset {args.preset}: {weight_bytes / 1e9:.2f} GB of bfloat16 weights written in "
+        f"{time.perf_counter() - t:.0f}s", flush=True)
   rows = []
   for name, cmd in (("from-hf", ["from-hf", str(root / "hf"), "--workdir", str(root / "w")]),
                     ("to-hf", ["to-hf", "--workdir", str(root / "w"), "--out", str(root / "back")])):

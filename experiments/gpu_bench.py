@@ -1,8 +1,9 @@
 """The first GPU call: meshtrain's benchmark of the LLaMA-3.2-1B and LLaMA-3-8B shapes on one GPU, bf16, synthetic data.
 
-  python3 experiments/gpu_bench.py --wheels    # here, with internet: what the GPU machine lacks -> experiments/wheels
-  python3 experiments/gpu_bench.py             # on the GPU machine, from the repository root (docs/development.md, "The first GPU call")
-  python3 experiments/gpu_bench.py --dry-run   # on a CPU: every step below at tiny shapes (CI, experiments/gpu_dryrun.sh)
+  python3 experiments/gpu_bench.py --wheels   # here, with internet: what the GPU machine lacks -> experiments/wheels
+  python3 experiments/gpu_bench.py            # on the GPU machine, from the repository root (docs/development.md,
+                                              # "The first GPU call")
+  python3 experiments/gpu_bench.py --dry-run  # on a CPU: each step below at tiny shapes (CI, experiments/gpu_dryrun.sh)
 
 One call, in order; each step that imports JAX is its own process, so only one holds the GPU at a time:
 1. Set-up: the carried wheels (`WHEELS`) into a private folder with `pip install --target` (the machine's Python
@@ -88,7 +89,8 @@ def summarize(rows: list[dict], attention_note: str) -> str:
     peak = x.get("device_peak_bytes_in_use")
     mem = x.get("memory_per_device_bytes", {})
     xla_gb = (mem.get("arguments", 0) + mem.get("temporaries", 0)) / 1e9
-    lines.append(f"{r['name']:8} remat={r['remat']:9} attention={x.get('attention', '?'):6} {x.get('device_kind', '?')}: "
+    lines.append(f"{r['name']:8} remat={r['remat']:9} attention={x.get('attention', '?'):6} "
+                 f"{x.get('device_kind', '?')}: "
                  f"{x['tokens_per_sec']:,.0f} tokens/s, step {x['step_time_s'] * 1e3:.1f} ms, "
                  f"MFU {100 * x['mfu']:.1f}% of {x['peak_flops'] / 1e12:.4g} TFLOP/s, "
                  f"peak memory {'?' if peak is None else f'{peak / 1e9:.1f}'} GB (XLA: {xla_gb:.1f} GB arguments + "
@@ -144,8 +146,9 @@ def setup(call: Call) -> bool:
   wheels = [w for name, version in (spec.split("==") for spec in WHEELS)
             for w in sorted(WHEEL_DIR.glob(f"{name.replace('-', '_')}-{version}-*.whl"))]
   if len(wheels) == len(WHEELS):
-    rc, _, text = call.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-                            "--no-cache-dir", "--upgrade", "--target", str(call.site), *map(str, wheels)], log, 120)
+    rc, _, text = call.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                            "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(call.site),
+                            *map(str, wheels)], log, 120)
     if rc:
       call.say(f"error: installing the carried wheels failed (rc {rc}); see {log}:\n{text[-1500:]}")
       return False

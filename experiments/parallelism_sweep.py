@@ -38,7 +38,8 @@ LAYOUTS = {
     "stage=2 x fsdp=2 x tensor=2 (circular)": ({"stage": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp",
                                                {"pipeline.schedule": "circular", "pipeline.repeats": 2}),
 }
-COLLECTIVE = re.compile(r"= (?:\([^)]*\)|\S+) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start)?\(")
+COLLECTIVE = re.compile(r"= (?:\([^)]*\)|\S+) "
+                        r"(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start)?\(")
 
 
 def make_config(mesh_sizes, rules, overrides, steps):
@@ -125,7 +126,8 @@ def main() -> int:
         f"collectives in the step |\n|---|---|---|---|---|")
   for r in rows:
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["collectives"].items())) or "none"
-    print(f"| {r['layout']} | {r['max_loss_rel_diff']:.1e} | {r['tokens_per_sec']:,.0f} | {r['memory_mib']:.1f} | {kinds} |")
+    print(f"| {r['layout']} | {r['max_loss_rel_diff']:.1e} | {r['tokens_per_sec']:,.0f} | "
+          f"{r['memory_mib']:.1f} | {kinds} |")
   for moe, ref in references.items():
     print(f"one device{' (MoE)' if moe else ''}: {ref['tokens_per_sec']:,.0f} tokens/s, {ref['memory_mib']:.1f} MiB, "
           f"loss {ref['losses'][0]:.3f} -> {ref['losses'][-1]:.3f}")

@@ -41,7 +41,8 @@ def predict() -> dict:
     report = inspect.inspect(c)
     e = report.expected
     t = estimate.step_time(e, e.collectives, hw.peaks[c.model.dtype], hw.node_bw, hw.network_bw, {}, overlap=False)
-    out["layouts"][name] = {"predicted_bytes": e.total_bytes_per_device, "compiled_bytes": report.total_bytes_per_device,
+    out["layouts"][name] = {"predicted_bytes": e.total_bytes_per_device,
+                            "compiled_bytes": report.total_bytes_per_device,
                             "predicted_step_s": t.total_s, "predicted_compute_s": t.compute_s,
                             "predicted_comm_s": t.overlapped_s + t.exposed_s}
   return out

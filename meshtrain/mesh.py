@@ -41,7 +41,8 @@ def simulate_cpu_devices(count: int) -> None:
   except RuntimeError as e:  # backends already up (e.g. inside a test process that set its own count)
     if jax.device_count("cpu") != count and jax.default_backend() == "cpu":
       raise UserError(f"JAX was initialised with {jax.device_count('cpu')} CPU devices before meshtrain could ask "
-                      f"for cpu_devices={count}; set cpu_devices={jax.device_count('cpu')} or start a fresh process") from e
+                      f"for cpu_devices={count}; set cpu_devices={jax.device_count('cpu')} "
+                      "or start a fresh process") from e
 
 
 def fill_sizes(sizes: Mapping[str, int], total: int, what: str, unit: str = "devices") -> dict[str, int]:
@@ -84,7 +85,8 @@ def make_mesh(sizes: Mapping, devices=None) -> Mesh:
   across = fill_sizes({a: node_sizes.get(a, -1 if a == "data" else 1) for a in AXES}, nodes,
                       f"mesh.nodes ({nodes} nodes)", unit="nodes")
   inside = fill_sizes(sizes, len(devices) // nodes,
-                      f"mesh ({len(devices) // nodes} devices per node)" if nodes > 1 else f"mesh ({len(devices)} devices)")
+                      f"mesh ({len(devices) // nodes} devices per node)" if nodes > 1
+                      else f"mesh ({len(devices)} devices)")
   ici_shape = tuple(inside[a] for a in AXES)
   dcn_shape = tuple(across[a] for a in AXES)
   if nodes > 1:

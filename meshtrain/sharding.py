@@ -131,7 +131,8 @@ def check_batch(mesh: Mesh, batch_size: int, micro_batches: int = 1, split_by: s
   ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
   micro = batch_size // micro_batches
   if micro % ways:
-    what = f"batch_size={batch_size}" + (f" / {split_by}={micro_batches} = {micro} per micro-batch" if micro_batches > 1 else "")
+    what = f"batch_size={batch_size}" + (f" / {split_by}={micro_batches} = {micro} per micro-batch"
+                                         if micro_batches > 1 else "")
     axes = " x ".join(a for a in BATCH_AXES if mesh.shape[a] > 1) or "data"
     good = ways * micro_batches
     raise UserError(f"{what} is not divisible by the batch axes {axes} = {ways}; use a batch_size that is a "

@@ -73,9 +73,9 @@ def train_step(state: TrainState, batch, *, loss_fn: Callable, batch_axes: dict,
     poison = jnp.where(step == nan_at_step, jnp.nan, 1.0)
     loss_sum, grads = loss_sum * poison, jax.tree.map(lambda g: g * poison, grads)
   # Mean over every counted unit (target token, image) of the global batch, however it was split into
-  # micro-batches. Divided in float32 (a bfloat16 count is inexact above 256 tokens) and cast back: a float32 gradient of a bfloat16
-  # parameter would make Adam's moments float32, so the returned state would no longer match the compiled
-  # input (the second step fails) and every moment would take twice the memory.
+  # micro-batches. Divided in float32 (a bfloat16 count is inexact above 256 tokens) and cast back: a float32
+  # gradient of a bfloat16 parameter would make Adam's moments float32, so the returned state would no longer
+  # match the compiled input (the second step fails) and every moment would take twice the memory.
   grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)

@@ -22,7 +22,8 @@ CONFIG_FILES = {  # name: source of a broken config file
     "returns_dict.py": "def get_config():\n  return {'steps': 3}\n",
     "partial.py": ("import ml_collections\n\ndef get_config():\n  c = ml_collections.ConfigDict()\n  c.steps = 3\n"
                    "  c.batch_size = 8\n  return c\n"),
-    "typo.py": "from meshtrain.config import base_config\n\ndef get_config():\n  c = base_config()\n  c.stpes = 10\n  return c\n",
+    "typo.py": ("from meshtrain.config import base_config\n\ndef get_config():\n  c = base_config()\n"
+                "  c.stpes = 10\n  return c\n"),
     "none_value.py": ("from meshtrain.config import base_config\n\ndef get_config():\n  c = base_config()\n"
                       "  c.steps = None\n  return c\n"),
     "group_replaced.py": ("from meshtrain.config import base_config\n\ndef get_config():\n  c = base_config()\n"
@@ -43,7 +44,8 @@ CASES = {
     "returns a dict": (["--config", "{tmp}/returns_dict.py"],
                        ["returned dict, not an ml_collections.ConfigDict", "base_config()"]),
     "partial config": (["--config", "{tmp}/partial.py"],
-                       ["lacks", "field(s) meshtrain reads", "cpu_devices", "data", "start from meshtrain.config.base_config()"]),
+                       ["lacks", "field(s) meshtrain reads", "cpu_devices", "data",
+                        "start from meshtrain.config.base_config()"]),
     "typo in the file": (["--config", "{tmp}/typo.py"], ["unknown config key 'stpes'", "did you mean 'steps'?"]),
     "None in the file": (["--config", "{tmp}/none_value.py"], ["'steps' to None", "it takes an integer"]),
     "group replaced": (["--config", "{tmp}/group_replaced.py"],
@@ -55,7 +57,8 @@ CASES = {
     "config without .py": (["--config", TINY[:-3]], ["does not exist (did you mean", "tiny.py'?)"]),
     "empty config": (["--config", ""], ["--config is empty"]),
     # --- arguments ---
-    "override without --config.": (["--steps=3"], ["cannot read argument '--steps=3'", "did you mean --config.steps=3?"]),
+    "override without --config.": (["--steps=3"],
+                                    ["cannot read argument '--steps=3'", "did you mean --config.steps=3?"]),
     "override without =": (["--config.steps", "3"], ["'--config.steps' has no value", "--config.steps=VALUE"]),
     # --- data settings ---
     "empty data.name": (["--config.data.name="], ["data.name='' is not a dataset name"]),
@@ -81,7 +84,8 @@ CASES = {
     "warmup beyond steps": (["--config.optimizer.warmup_steps=500"], ["warmup_steps=500 is beyond steps=200"]),
     "warmup beyond shortened steps": (["--config.steps=8", "--config.optimizer.warmup_steps=20"],
                                       ["warmup_steps=20 is beyond steps=8"]),
-    "watchdog too short": (["--config.watchdog_s=0.2"], ["watchdog_s=0.2 is below the 30 s floor", "or 0 to turn it off"]),
+    "watchdog too short": (["--config.watchdog_s=0.2"],
+                           ["watchdog_s=0.2 is below the 30 s floor", "or 0 to turn it off"]),
     "negative seed": (["--config.seed=-1"], ["seed=-1 is out of range", "4294967295"]),
     "seed beyond 32 bits": (["--config.seed=4294967296"], ["seed=4294967296 is out of range"]),
     "Adam beta of 1": (["--config.optimizer.b2=1.0"], ["optimizer.b2=1.0 must lie in [0, 1)"]),

@@ -36,7 +36,8 @@ def test_flops_per_token_moe_counts_routed_experts_only():
   cfg.model.num_experts, cfg.model.experts_per_token = 4, 2
   table = layout.build(cfg, mesh.make_mesh(cfg.mesh, devices=jax.devices()[:1])).table
   m = cfg.model
-  L, D, H, K, E, F, V, X, k = cfg.seq_len, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, 4, 2
+  L, D, H, K, E, F, V, X, k = (cfg.seq_len, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim,
+                               m.vocab_size, 4, 2)
   per_layer = D * H * E + 2 * D * K * E + H * E * D + D * X + k * 3 * D * F  # attention, router, k of X experts
   assert perf.model_flops(cfg, table) == 6 * (m.num_layers * per_layer + V * D) + 6 * m.num_layers * L * H * E
   dense = hand_flops(L, D, H, K, E, F, V, m.num_layers, False)

@@ -215,7 +215,8 @@ def test_signal_while_a_resumed_run_compiles(finished, tmp_path, sig):
   assert "Traceback" not in err and f"stopped: {sig.name} during start-up" in err, err[-3000:]
   after = snapshot(tmp_path)
   # config.json is rewritten (same content); nothing else changes
-  assert {k: v for k, v in after.items() if k != "config.json"} == {k: v for k, v in before.items() if k != "config.json"}
+  assert ({k: v for k, v in after.items() if k != "config.json"}
+          == {k: v for k, v in before.items() if k != "config.json"})
 
 
 def test_repeated_ctrl_c_while_saving_still_saves_and_plots(tmp_path):

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import config, layout as layout_lib, mesh as mesh_lib, runtime
+from meshtrain import config, layout as layout_lib, mesh as mesh_lib
+from meshtrain.runtime import startup
 from meshtrain.analysis import plan
 from meshtrain.models import attention
 
@@ -130,8 +131,8 @@ def test_every_xla_flag_meshtrain_sets_parses():
   # XLA aborts the process on an unknown flag, on every backend: a flag removed in a newer XLA would kill the GPU
   # run at start. The CPU jaxlib parses the GPU flags too (one flag registry).
   code = "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
-  flags = runtime.xla_flags("", "")
-  assert all(flag in flags for flag in runtime.GPU_XLA_FLAGS + runtime.CPU_XLA_FLAGS)
+  flags = startup.xla_flags("", "")
+  assert all(flag in flags for flag in startup.GPU_XLA_FLAGS + startup.CPU_XLA_FLAGS)
   run = lambda f: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                                  env={**os.environ, "XLA_FLAGS": f, "JAX_PLATFORMS": "cpu"})
   ok = run(flags)

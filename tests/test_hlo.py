@@ -43,7 +43,7 @@ ENTRY %main (p: f32[4,8], q: bf16[2]) -> f32[4,8] {
   %alone = s8[5]{0} all-to-all(s8[5]{0} %s), channel_id=6, replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, dimensions={0}
   ROOT %out = f32[4,8]{1,0} copy(%p)
 }
-"""
+"""  # noqa: E501
 
 
 def test_replica_group_forms_give_mesh_axes_and_bytes(mesh):
@@ -101,7 +101,7 @@ ENTRY %main (p: f32[4,8], y: f32[16]) -> f32[8,8] {
   %ad = f32[16]{0} async-done(%as), calls=%wrapped_all_to_all
   ROOT %out = f32[8,8]{1,0} copy(%agd)
 }
-"""
+"""  # noqa: E501
 
 
 def test_async_pairs_counted_once_with_their_buffer(mesh):
@@ -181,7 +181,7 @@ ENTRY %main (p: f32[4], k: s32[]) -> f32[4] {
   %cond = f32[4]{0} conditional(%k, %once, %once), branch_computations={%branch_a, %branch_b}
   ROOT %out = f32[4]{0} copy(%cond)
 }
-"""
+"""  # noqa: E501
 
 
 def test_nested_loops_calls_and_branches_multiply_counts(mesh):

@@ -33,7 +33,8 @@ HYBRID = textwrap.dedent("""
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
     from meshtrain import mesh
     m = mesh.make_mesh({"data": 1, "fsdp": 2, "tensor": 2})  # per node; mesh.nodes.data fills the 2 nodes
-    print({k: v for k, v in m.shape.items() if v > 1}, [[d.process_index for d in row] for row in m.devices.reshape(2, 4)])
+    print({k: v for k, v in m.shape.items() if v > 1},
+          [[d.process_index for d in row] for row in m.devices.reshape(2, 4)])
     try:
       mesh.make_mesh({"fsdp": 4, "nodes": {"data": 1}})
     except mesh.UserError as e:

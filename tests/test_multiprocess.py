@@ -124,7 +124,8 @@ def test_a_failing_process_exits_at_once_not_after_the_runtime_shutdown_timeout(
   # At a normal exit jax.distributed waits up to 300 s for every peer to shut down too; the launcher (or srun
   # --kill-on-bad-exit) stops the others only once the failed one has exited.
   from meshtrain.runtime.launcher import free_port
-  args = [*ARGS, "--config.steps=2", "--config.checkpoint_every=0", "--config.cpu_devices=4", "--workdir", str(tmp_path)]
+  args = [*ARGS, "--config.steps=2", "--config.checkpoint_every=0", "--config.cpu_devices=4",
+          "--workdir", str(tmp_path)]
   address = f"127.0.0.1:{free_port()}"
   procs = [subprocess.Popen([sys.executable, "-c", FAILING_PROCESS, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,

@@ -146,7 +146,8 @@ def test_pipeline_matches_one_device(name, reference_4_layers):
   layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
   if layout.layer_order != "sequential":  # circular: the same weights, stored stage-major
     ref_grads = {**ref_grads, "layers": pipeline.to_pipeline_params(ref_grads["layers"], 2, 2)}
-    init = layout_lib.build(tiny_config({}, "dp", {"model.num_layers": 4}), mesh_lib.make_mesh({}, devices=jax.devices()[:1])).init(0).params
+    init = layout_lib.build(tiny_config({}, "dp", {"model.num_layers": 4}),
+                            mesh_lib.make_mesh({}, devices=jax.devices()[:1])).init(0).params
     init = {**init, "layers": pipeline.to_pipeline_params(init["layers"], 2, 2)}
   else:
     init = None
@@ -169,7 +170,8 @@ def test_remat_and_unrolled_layers_match(scan, remat, reference):
   cfg.model.scan_layers, cfg.model.remat = scan, remat
   ref_init = layout_lib.build(tiny_config({}, "dp"), mesh_lib.make_mesh({}, devices=jax.devices()[:1])).init(0)
   unstack = lambda tree: tree if scan else {**{k: v for k, v in tree.items() if k != "layers"},
-                          **{f"layer_{i}": jax.tree.map(lambda x: x[i], tree["layers"]) for i in range(cfg.model.num_layers)}}
+                          **{f"layer_{i}": jax.tree.map(lambda x: x[i], tree["layers"])
+                             for i in range(cfg.model.num_layers)}}
   losses, grads, _ = train(cfg, jax.devices(), init_params=unstack(jax.device_get(ref_init.params)))
   np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, unstack(ref_grads))
@@ -220,6 +222,7 @@ def test_weight_gradients_read_activations_without_a_transposed_copy():
   ~40% of a one-device step. Weight transposes ([D, F]) are fine: D differs from the sequence length here."""
   cfg = tiny_config({"data": 8}, "dp")
   text = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh)).compile_train_step().as_text()
-  shapes = [[int(d) for d in dims.split(",")] for dims in re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]+\} transpose\(", text)]
+  shapes = [[int(d) for d in dims.split(",")]
+            for dims in re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]+\} transpose\(", text)]
   mlp = [s for s in shapes if cfg.model.mlp_dim in s]  # weights [D, F] = [128, 512]; before: also [512, 2, 64]
   assert mlp and [s for s in mlp if cfg.seq_len in s] == []

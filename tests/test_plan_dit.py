@@ -1,5 +1,5 @@
-"""inspect's expectation and plan for the DiT (task=dit): the analytic model (meshtrain/analysis/estimate.py with the task's
-cost model, meshtrain/tasks/dit.py) against the compiled train step, and plan's CLI on configs/dit_digits.py."""
+"""inspect's expectation and plan for the DiT (task=dit): the analytic model (meshtrain/analysis/estimate.py with the
+task's cost model, meshtrain/tasks/dit.py) against the compiled train step, and plan's CLI on configs/dit_digits.py."""
 import json
 
 import pytest

@@ -223,7 +223,7 @@ print(jax.tree.reduce(lambda a, b: a + float(jnp.abs(b).sum()), out, 0.0))
 def test_cpu_programs_never_come_from_the_persistent_cache(tmp_path):
   """runtime.start leaves the persistent cache off on the CPU: the second run of a ring program would abort."""
   import xla_fast
-  runs = [subprocess.run([sys.executable, "-c", RING_FROM_CACHE, str(tmp_path / "cache")], capture_output=True, text=True,
-                         env=xla_fast.env(), cwd=ROOT, timeout=300) for _ in range(2)]
+  runs = [subprocess.run([sys.executable, "-c", RING_FROM_CACHE, str(tmp_path / "cache")], capture_output=True,
+                         text=True, env=xla_fast.env(), cwd=ROOT, timeout=300) for _ in range(2)]
   assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
   assert runs[0].stdout == runs[1].stdout

@@ -71,7 +71,8 @@ def test_fsdp_table_splits_bytes_eightfold():
   norms = sum(r.size * 4 for r in rows if r.path in NORMS)
   assert sum(r.bytes_per_device for r in rows) == (total - norms) // 8 + norms
   text = sharding.format_table(rows)
-  assert "layers/mlp/down" in text and "(layers, mlp, embed)" in text and f"{sum(r.size for r in rows):,} parameters" in text
+  assert ("layers/mlp/down" in text and "(layers, mlp, embed)" in text
+          and f"{sum(r.size for r in rows):,} parameters" in text)
 
 
 def test_weight_decay_skips_norms():

@@ -156,7 +156,8 @@ def runs(cluster, tmp_path_factory):
   assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{tail(base / 'two.out')}"
   # Steps 3.. of the one-process run: step 1 compiles, step 2 may still wait for it.
   step_s = float(np.median([r["step_time_s"] for r in map(json.loads, (base / "one" / "metrics.jsonl").read_text()
-                                                          .splitlines()) if r.get("step", 0) > 2 and "step_time_s" in r]))
+                                                          .splitlines())
+                            if r.get("step", 0) > 2 and "step_time_s" in r]))
   steps = max(60, -(-int(TIME_LIMIT_TRAINING_S / step_s) // TIME_LIMIT_EVERY) * TIME_LIMIT_EVERY)
   limited = tmp_path_factory.mktemp("slurm_time_limit")
   limited_job = sbatch(env, limited / "run", limited / "job.out", *TIME_LIMIT, args=time_limit_args(steps))

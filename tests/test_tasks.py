@@ -89,7 +89,8 @@ LAYOUTS = {  # every branch of the LM's step: accumulation, fsdp x tensor, zigza
     "fsdp_tp": ["--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2"],
     "sequence2": ["--config.mesh.data=4", "--config.mesh.sequence=2"],
     "stage2_circular": ["--config.mesh.data=4", "--config.mesh.stage=2", "--config.pipeline.microbatches=2",
-                        "--config.pipeline.schedule=circular", "--config.pipeline.repeats=2", "--config.model.num_layers=4"],
+                        "--config.pipeline.schedule=circular", "--config.pipeline.repeats=2",
+                        "--config.model.num_layers=4"],
     "moe_expert2": ["--config.model.num_experts=4", "--config.model.experts_per_token=2", "--config.mesh.data=4",
                     "--config.mesh.expert=2", "--config.faults.nan_at_step=3"],
 }

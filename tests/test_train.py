@@ -82,7 +82,8 @@ def test_restore_onto_another_mesh_then_continue(uninterrupted, tmp_path, capsys
   # restored onto one device below.
   run(tmp_path / "run", "--config.mesh.data=1", "--config.mesh.stage=2", "--config.mesh.fsdp=2",
       "--config.mesh.tensor=2")
-  assert "pipeline: 2 stages, 4 micro-batches, gpipe schedule; bubble 20.0% of each step idle" in capsys.readouterr().out
+  assert ("pipeline: 2 stages, 4 micro-batches, gpipe schedule; bubble 20.0% of each step idle"
+          in capsys.readouterr().out)
   full, moved = records(uninterrupted), records(tmp_path / "run")
   for a, b in zip(full, moved):
     for key in ("loss", "eval_loss"):

@@ -315,8 +315,8 @@ def fmt(x, spec=",.0f"):
 
 def print_table(rows, args, vocab, batch, seq):
   last = args.warmup + args.steps - 1
-  print(f"\nTokens/s (global batch {batch} x {seq} = {batch * seq:,} tokens/step; median per-step time of {args.steps} steps after "
-        f"{args.warmup} warm-up; median over {args.rounds} round(s))")
+  print(f"\nTokens/s (global batch {batch} x {seq} = {batch * seq:,} tokens/step; median per-step time of "
+        f"{args.steps} steps after {args.warmup} warm-up; median over {args.rounds} round(s))")
   print(f"{'devices':>7} | {'MaxText tok/s':>13} | {'meshtrain tok/s':>15} | {'ratio mt/MX':>11} | "
         f"{'MX RSS GB':>9} | {'mt RSS GB':>9} | meshtrain layout")
   for r in rows:

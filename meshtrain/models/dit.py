@@ -29,7 +29,7 @@ from meshtrain.models.params import param, zeros
 
 FREQUENCIES = 256  # Q: sinusoidal features of the timestep, as in DiT (frequency_embedding_size)
 TIME_SCALE = 1000.0  # t in [0, 1] is embedded as t x 1000: DiT's timesteps are 0..999, and the frequencies suit them
-MAX_AUTO_UNROLL = 4  # deepest stack run unrolled (as llama.unrolled_layers: faster on the CPU); deeper: one block looped
+MAX_AUTO_UNROLL = 4  # deepest stack run unrolled (as llama.unrolled_layers: faster on CPU); deeper: one block looped
 MOD_BLOCK = 6  # shift, scale, gate for attention, then for the MLP
 MOD_FINAL = 2  # shift, scale of the final layer
 

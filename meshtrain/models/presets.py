@@ -36,7 +36,8 @@ def model_config(name: str) -> ml_collections.ConfigDict:
   m.param_dtype = "float32"       # storage dtype of parameters and optimizer state
   m.remat = "none"                # rematerialization: none | full | save_dots (keep matmul outputs, recompute the rest)
   m.scan_layers = True            # run the blocks under jax.lax.scan (one compiled block) instead of unrolled
-  m.scan_unroll = 0               # layers per scan iteration: 0 = auto (all, for <= 4 layers, no remat, no sequence split; else 1) | n
+  m.scan_unroll = 0               # layers per scan iteration: 0 = auto (all, for <= 4 layers, no remat, no sequence
+                                  # split; else 1) | n
   m.attention = "auto"            # auto | blocked | xla | cudnn (meshtrain/models/attention.py)
   m.context_attention = "ring"    # with mesh.sequence > 1: ring (K/V passed around, O(L/n) memory) | allgather
   m.num_experts = 0               # > 0: mixture-of-experts MLPs with this many experts (each of width mlp_dim)
