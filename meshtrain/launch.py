@@ -14,7 +14,8 @@ are stopped and the launcher exits with the failed process's code.
 """
 import sys
 
-from meshtrain.config import MAX_CPU_DEVICES, host_memory_bytes
+from meshtrain.config import MAX_CPU_DEVICES
+from meshtrain.runtime.host import host_memory_bytes
 from meshtrain.errors import ArgumentParser, UserError
 from meshtrain.runtime.launcher import launch
 

@@ -15,8 +15,9 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain import config as config_lib, optim, sharding, step as step_lib, tasks
+from meshtrain import optim, sharding, step as step_lib, tasks
 from meshtrain.errors import UserError
+from meshtrain.runtime import host
 
 
 @dataclasses.dataclass
@@ -174,7 +175,7 @@ def device_memory(mesh: Mesh) -> tuple[int, str]:
   stats = device.memory_stats() or {}
   if "bytes_limit" in stats:
     return stats["bytes_limit"], f"the {device.device_kind} allocator's limit"
-  ram = config_lib.host_memory_bytes()
+  ram = host.host_memory_bytes()
   local = len(mesh.local_devices)
   return ram // local, f"{ram / 1e9:.1f} GB of host RAM shared by {local} simulated CPU devices"
 

@@ -16,7 +16,7 @@ import time
 from meshtrain import config as config_lib, runtime
 from meshtrain.analysis import perf
 from meshtrain.errors import ArgumentParser, RunAborted, UserError
-from meshtrain.runtime import workdir as workdir_lib
+from meshtrain.runtime import host, workdir as workdir_lib
 from meshtrain.runtime.preemption import PreemptionNotice
 
 _IMPORTED = time.perf_counter()  # start-up fallback where the process start time is unknown
@@ -30,7 +30,7 @@ def parse_args(argv: list[str]):
   args, overrides = parser.parse_known_args(argv)
   cfg = config_lib.load(args.config, overrides)
   workdir = check_workdir(args.workdir)
-  config_lib.check_batch_memory(cfg)  # before JAX: a batch that cannot be allocated is refused in a second
+  host.check_batch_memory(cfg)  # before JAX: a batch that cannot be allocated is refused in a second
   return cfg, workdir
 
 

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, layout as layout_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
+from meshtrain.runtime import host
 from meshtrain.models import moe
 from meshtrain.tasks import dit_config as dit_fields
 
@@ -167,8 +168,8 @@ def test_batch_memory_check_counts_images_for_dit():
   cfg = dit_config()
   cfg.batch_size = 1024
   row = 8 * 8 * 1 * dit_fields.BATCH_BUFFER_BYTES_PER_PIXEL + dit_fields.BATCH_BUFFER_BYTES_PER_IMAGE
-  config_lib.check_batch_memory(cfg, processes=1, memory=1024 * row)  # exactly fits
+  host.check_batch_memory(cfg, processes=1, memory=1024 * row)  # exactly fits
   with pytest.raises(UserError, match="batch_size=1024 images of 8x8x1"):
-    config_lib.check_batch_memory(cfg, processes=1, memory=1024 * row - 1)
+    host.check_batch_memory(cfg, processes=1, memory=1024 * row - 1)
   cfg.seq_len = 10**9  # the LM's formula would refuse this; images do not have a length
-  config_lib.check_batch_memory(cfg, processes=1, memory=1024 * row)
+  host.check_batch_memory(cfg, processes=1, memory=1024 * row)

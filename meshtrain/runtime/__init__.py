@@ -1,5 +1,6 @@
 """The process around the loop: start-up, the cluster it belongs to, signals, hangs, the workdir lock.
 
+  host        this host's memory and process count before JAX starts; whether a batch's buffers fit
   startup     XLA flags, simulated CPU devices, the distributed runtime (`start`), `run_main`, `barrier`
   cluster     which processes make up the run: config, launcher, Kubernetes, SLURM (srun), Open MPI
   preemption  SIGTERM / SIGINT: at once during start-up, together after a step with a checkpoint later
