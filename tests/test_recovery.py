@@ -84,11 +84,20 @@ def child_pid(workdir, process_id):
 
 
 def has_exited(pid) -> bool:
-  """Whether process `pid` has ended (gone, or a zombie its parent has not reaped yet)."""
+  """Whether process `pid` has ended: gone, or a zombie its parent can reap, every thread of it. The leader thread
+  alone shows Z as soon as it exits while exit_group still tears the other threads down; its parent cannot reap it
+  until they are gone (CI once killed the peer in that window, and the launcher reported the peer's -9 first)."""
   try:
-    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    threads = list(pathlib.Path(f"/proc/{pid}/task").iterdir())
   except OSError:
     return True
+  for thread in threads:
+    try:
+      if (thread / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        return False
+    except OSError:  # this thread is gone
+      continue
+  return True
 
 
 @pytest.fixture(scope="module")
