@@ -15,9 +15,11 @@ ROOT = pathlib.Path(__file__).parents[1]
 PACKAGE = ROOT / "meshtrain"
 # Third-party packages that take a second or more to import, or start a runtime: what a function-local import may
 # keep off a fast path (argument checks, config validation, `--help`).
-# numpy (~0.2 s) is one: the commands' argument and config checks load none of it.
-HEAVY = {"jax", "jaxlib", "flax", "optax", "orbax", "tensorflow", "tensorflow_datasets", "grain", "torch",
-         "transformers", "sklearn", "matplotlib", "PIL", "tensorboardX", "array_record", "jinja2", "scipy", "numpy"}
+# numpy (~0.2 s) is one: the commands' argument and config checks load none of it. tokenizers and sentencepiece are
+# light but absent from the GPU machine's package set (experiments/gpu_dryrun.sh): only runs that use them import them.
+HEAVY = {"tokenizers", "sentencepiece", "jax", "jaxlib", "flax", "optax", "orbax", "tensorflow", "tensorflow_datasets",
+         "grain", "torch", "transformers", "sklearn", "matplotlib", "PIL", "tensorboardX", "array_record", "jinja2",
+         "scipy", "numpy"}
 COMMAND_MAX_LINES = 150
 FUNCTION_MAX_LINES = 100
 TRAIN_FUNCTION_MAX_LINES = 60

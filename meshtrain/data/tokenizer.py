@@ -23,8 +23,6 @@ import re
 import shutil
 
 import numpy as np
-import sentencepiece
-import tokenizers
 
 from meshtrain.errors import UserError
 
@@ -166,6 +164,8 @@ class HfTokenizer(Tokenizer):
   kind = "hf"
 
   def __init__(self, path: pathlib.Path):
+    import tokenizers  # the GPU machine's package set lacks it: only a tokenizer.json run imports it
+
     self.path = path
     try:
       self._spec = json.loads(path.read_text(encoding="utf-8"))
@@ -252,6 +252,8 @@ class SentencePieceTokenizer(Tokenizer):
   kind = "sentencepiece"
 
   def __init__(self, path: pathlib.Path):
+    import sentencepiece  # likewise: only a SentencePiece run imports it
+
     self.path = path
     try:
       self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
@@ -421,6 +423,8 @@ def train_bpe(texts, vocab_size: int, out_dir: pathlib.Path, length: int | None 
   """Trains a byte-level BPE of `vocab_size` ids on the iterable `texts`; writes out_dir/tokenizer.json and the
   transformers side files (written aside and renamed, so out_dir appears whole or not at all). Ids 0, 1, 2 are
   the specials pad, end-of-text, begin-of-text; the 256 bytes follow, so every string encodes."""
+  import tokenizers  # likewise
+
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = tokenizers.decoders.ByteLevel()
