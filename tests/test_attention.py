@@ -7,7 +7,10 @@ import pytest
 
 from meshtrain import config as config_lib, layout as layout_lib, mesh as mesh_lib
 from meshtrain.models import attention
-from meshtrain.models.llama import rotary
+from meshtrain.models.llama import ModelConfig
+from meshtrain.models.rope import rotary
+
+ROPE = ModelConfig(vocab_size=1, num_layers=1, d_model=8, num_heads=1, num_kv_heads=1, head_dim=8, mlp_dim=8)
 
 
 def reference_attention(q, k, v):
@@ -65,7 +68,7 @@ def test_rotary_matches_float64():
   x1, x2 = np.split(x.astype(np.float64), 2, axis=-1)
   cos, sin = np.cos(angle)[None, :, None], np.sin(angle)[None, :, None]
   want = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  np.testing.assert_allclose(rotary(jnp.asarray(x), jnp.asarray(pos), 10_000.0), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(rotary(jnp.asarray(x), jnp.asarray(pos), ROPE), want, rtol=1e-5, atol=1e-6)
 
 
 def test_unrolled_stack_matches_the_loop():

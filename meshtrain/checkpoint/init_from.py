@@ -22,8 +22,10 @@ from meshtrain.tasks import lm_config
 # Model fields that decide what the loaded parameters compute: a different value would fine-tune another function
 # of the same numbers (a rotary base, the fan_in scaling folded into the forward pass), silently. param_dtype is
 # not among them: the parameters are cast to this run's storage dtype (bfloat16 weights fine-tuned in float32).
-MODEL_FIELDS = tuple(f for f in lm_config.SHAPE_FIELDS if f != "param_dtype") + ("init", "rope_theta", "norm_eps",
-                                                                                  "experts_per_token")
+MODEL_FIELDS = tuple(f for f in lm_config.SHAPE_FIELDS if f != "param_dtype") + (
+    "init", "rope_theta", "norm_eps", "experts_per_token", "rope_type", "rope_factor", "rope_original_max_len",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor",
+    "sliding_window")
 HOW = ("point --config.init_from at a meshtrain workdir (its newest checkpoint), at WORKDIR/checkpoints/N for step N, "
        "or at a converted Hugging Face model (python -m meshtrain.convert from-hf HF_DIR --workdir W)")
 

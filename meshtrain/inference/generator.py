@@ -204,8 +204,12 @@ class Generator:
     scan_layers, products = backend_choice(scan_layers)
     # Generation runs the plain layer stack: no pipeline, no remat (nothing is differentiated), attention by the
     # cache path; a checkpoint trained pipelined (sequential layer order) has the same parameter tree.
+    # A mixture of experts routes without capacity drops here (slots for every token at every expert: the
+    # capacity factor that gives C = S), as transformers' Mixtral does; training keeps its capacity_factor.
+    no_drop = (model_cfg.num_experts / model_cfg.experts_per_token if model_cfg.num_experts
+               else model_cfg.capacity_factor)
     self.model_cfg = dataclasses.replace(model_cfg, pipeline_stages=1, pipeline_microbatches=1, remat="none",
-                                         scan_layers=scan_layers, products=products)
+                                         scan_layers=scan_layers, products=products, capacity_factor=no_drop)
     self.model = Transformer(self.model_cfg)
     self.tokenizer = tokenizer if tokenizer is not None else tokenizer_lib.load("byte")
     if self.tokenizer.vocab_size > self.model_cfg.vocab_size:

@@ -1,8 +1,9 @@
-"""Hugging Face Llama checkpoints in and out (`from_hf`, `to_hf`): the library of `python -m meshtrain.convert`.
+"""Hugging Face checkpoints in and out (`from_hf`, `to_hf`): the library of `python -m meshtrain.convert`, for the
+families of meshtrain/interop/hf_config.py (Llama, Mistral, Qwen2, Qwen3, Mixtral).
 
 from_hf writes W/checkpoints/0 (parameters only, meta `params_only`), W/config.json (the matching meshtrain
 config) and W/tokenizer/ (the model's tokenizer files), so `python -m meshtrain.generate --workdir W` and
-`train --config.init_from=W` work on it. to_hf writes safetensors, config.json (LlamaForCausalLM) and the
+`train --config.init_from=W` work on it. to_hf writes safetensors, config.json (the family's architecture) and the
 tokenizer, loadable by transformers' AutoModelForCausalLM and AutoTokenizer.
 
 Both stream, so that a model larger than the free memory converts: the process holds about its largest stored
@@ -15,10 +16,15 @@ the end: a failed conversion leaves nothing behind. Tokenizer files: meshtrain/i
 
 Layouts (HF's Linear stores weight [out, in]; meshtrain stores [in, out] with heads as their own axes):
   q_proj [H*E, D] -> q [D, H, E]      k_proj, v_proj [K*E, D] -> k, v [D, K, E]      o_proj [D, H*E] -> o [H, E, D]
+  q_proj.bias [H*E] -> q_bias [H, E]   k_proj.bias, v_proj.bias [K*E] -> k_bias, v_bias [K, E]          (Qwen2)
+  q_norm, k_norm [E] -> q_norm.scale, k_norm.scale [E]                                                  (Qwen3)
   gate_proj, up_proj [F, D] -> [D, F]  down_proj [D, F] -> [F, D]   embed_tokens [V, D] = embedding [V, D]
+  block_sparse_moe.gate [X, D] -> moe.router [D, X]; experts.j.w1, w3 [F, D] -> moe.gate[j], moe.up[j] [D, F];
+  experts.j.w2 [D, F] -> moe.down[j] [F, D]                                                             (Mixtral)
   lm_head [V, D] -> head [D, V]        *_layernorm, norm [D] -> scale [D]
 The rotary convention is the same on both sides (rotate-half: the first and second half of each head form the
-pairs), so no permutation of q/k rows is needed; tests/test_convert.py checks logits against transformers.
+pairs), so no permutation of q/k rows is needed; tests/test_convert.py checks logits and greedy tokens against
+transformers for every family.
 
 JAX and Orbax (meshtrain.checkpoint) are imported inside the functions, after the arguments are checked:
 `python -m meshtrain.convert` refuses a bad argument without loading them.
@@ -35,20 +41,46 @@ import numpy as np
 
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
-from meshtrain.interop import hf_tokenizer, weights
+from meshtrain.interop import hf_config, hf_tokenizer, weights
 
-ARCHITECTURE = "LlamaForCausalLM"
-# Defaults of transformers' LlamaConfig, for fields a config.json may omit (transformers writes them all today,
-# older or hand-written files do not).
-HF_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False,
-               "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048, "pretraining_tp": 1}
-REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-# Each layer's HF tensors (model.layers.N.<name>) and the meshtrain parameter of the layer holding each.
-LAYER_TENSORS = {"input_layernorm.weight": ("attn_norm", "scale"), "self_attn.q_proj.weight": ("attn", "q"),
-                 "self_attn.k_proj.weight": ("attn", "k"), "self_attn.v_proj.weight": ("attn", "v"),
-                 "self_attn.o_proj.weight": ("attn", "o"), "post_attention_layernorm.weight": ("mlp_norm", "scale"),
-                 "mlp.gate_proj.weight": ("mlp", "gate"), "mlp.up_proj.weight": ("mlp", "up"),
-                 "mlp.down_proj.weight": ("mlp", "down")}
+# A layer's tensors: HF name (after model.layers.N.; {x} is the expert), meshtrain parameter path in the layer,
+# how the HF tensor maps onto it (copy: as is; bias: [H*E] -> [H, E]; t: [out, in] -> [in, out...]; o: [D, H*E] ->
+# [H, E, D]),
+# and the HF shape, from the model fields (D, H, K, E, F, X).
+ATTENTION_TENSORS = (
+    ("input_layernorm.weight", ("attn_norm", "scale"), "copy", lambda s: (s.D,)),
+    ("self_attn.q_proj.weight", ("attn", "q"), "t", lambda s: (s.H * s.E, s.D)),
+    ("self_attn.k_proj.weight", ("attn", "k"), "t", lambda s: (s.K * s.E, s.D)),
+    ("self_attn.v_proj.weight", ("attn", "v"), "t", lambda s: (s.K * s.E, s.D)),
+    ("self_attn.o_proj.weight", ("attn", "o"), "o", lambda s: (s.D, s.H * s.E)),
+    ("post_attention_layernorm.weight", ("mlp_norm", "scale"), "copy", lambda s: (s.D,)))
+BIAS_TENSORS = (("self_attn.q_proj.bias", ("attn", "q_bias"), "bias", lambda s: (s.H * s.E,)),
+                ("self_attn.k_proj.bias", ("attn", "k_bias"), "bias", lambda s: (s.K * s.E,)),
+                ("self_attn.v_proj.bias", ("attn", "v_bias"), "bias", lambda s: (s.K * s.E,)))
+QK_NORM_TENSORS = (("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), "copy", lambda s: (s.E,)),
+                   ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), "copy", lambda s: (s.E,)))
+MLP_TENSORS = (("mlp.gate_proj.weight", ("mlp", "gate"), "t", lambda s: (s.F, s.D)),
+               ("mlp.up_proj.weight", ("mlp", "up"), "t", lambda s: (s.F, s.D)),
+               ("mlp.down_proj.weight", ("mlp", "down"), "t", lambda s: (s.D, s.F)))
+MOE_TENSORS = (("block_sparse_moe.gate.weight", ("moe", "router"), "t", lambda s: (s.X, s.D)),
+               ("block_sparse_moe.experts.{x}.w1.weight", ("moe", "gate"), "t", lambda s: (s.F, s.D)),
+               ("block_sparse_moe.experts.{x}.w3.weight", ("moe", "up"), "t", lambda s: (s.F, s.D)),
+               ("block_sparse_moe.experts.{x}.w2.weight", ("moe", "down"), "t", lambda s: (s.D, s.F)))
+
+
+class Sizes:
+  """The model fields' sizes by their shape letters (llama.py's)."""
+
+  def __init__(self, m: dict):
+    self.N, self.D, self.H, self.K, self.E, self.F, self.V = (
+        m[k] for k in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size"))
+    self.X = m.get("num_experts", 0)
+
+
+def layer_tensors(m: dict) -> tuple:
+  """The per-layer tensor table (see ATTENTION_TENSORS) of a model with fields `m`."""
+  return (ATTENTION_TENSORS + (BIAS_TENSORS if m.get("attention_bias") else ())
+          + (QK_NORM_TENSORS if m.get("qk_norm") else ()) + (MOE_TENSORS if m.get("num_experts") else MLP_TENSORS))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -91,81 +123,37 @@ def staged(target: pathlib.Path):
 # ----------------------------------------------------------------------------------------------------------------
 # Hugging Face -> meshtrain
 
-def read_hf_config(hf_dir: pathlib.Path) -> dict:
-  """The HF config.json as meshtrain model fields, or a UserError naming the first field meshtrain cannot run."""
-  path = hf_dir / "config.json"
-  if not path.is_file():
-    raise UserError(f"{str(hf_dir)!r} has no config.json; pass a Hugging Face model directory (config.json and "
-                    "*.safetensors, as save_pretrained writes)")
-  try:
-    hf = json.loads(path.read_text())
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise UserError(f"{str(path)!r} is not valid JSON ({e}); pass a Hugging Face model directory") from None
-  if not isinstance(hf, dict):
-    raise UserError(f"{str(path)!r} holds a JSON {type(hf).__name__}, not an object; pass a Hugging Face model "
-                    "directory")
-  hf = {**HF_DEFAULTS, **hf}
-  archs = hf.get("architectures") or []
-  if hf.get("model_type") != "llama" or (archs and archs != [ARCHITECTURE]):
-    raise UserError(f"{str(path)!r}: model_type {hf.get('model_type')!r}, architectures {archs}; only "
-                    f"model_type 'llama' / {ARCHITECTURE} converts (meshtrain's model is the Llama architecture)")
-  missing = [k for k in REQUIRED_FIELDS if not isinstance(hf.get(k), int) or hf[k] <= 0]
-  if missing:
-    raise UserError(f"{str(path)!r} lacks a positive integer {missing[0]!r}; a Llama config.json needs "
-                    f"{', '.join(REQUIRED_FIELDS)}")
-  # Fields whose other values change the computation in ways meshtrain's model does not implement.
-  rope = hf.get("rope_parameters") or {}  # transformers >= 5: {"rope_type": ..., "rope_theta": ...}
-  scaling = hf.get("rope_scaling")       # transformers 4: None, or {"rope_type"/"type": ..., "factor": ...}
-  for field, value in (("rope_parameters.rope_type", rope.get("rope_type", "default")),
-                       ("rope_scaling", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))):
-    if value != "default":
-      raise UserError(f"{str(path)!r}: {field} is {value!r}; meshtrain's rotary embedding is the unscaled one "
-                      "(rope_type 'default'); other rope scaling is not supported")
-  unsupported = [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1)]
-  for field, expected in unsupported:
-    if hf.get(field) != expected:
-      raise UserError(f"{str(path)!r}: {field} is {hf.get(field)!r}; meshtrain's Llama supports only {field}="
-                      f"{json.dumps(expected)}")
-  heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-  head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-  rope_theta = rope.get("rope_theta", hf["rope_theta"])
-  return {
-      "vocab_size": hf["vocab_size"], "num_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"],
-      "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "mlp_dim": hf["intermediate_size"],
-      "tie_embeddings": bool(hf["tie_word_embeddings"]), "rope_theta": float(rope_theta),
-      "norm_eps": float(hf["rms_norm_eps"]), "max_position_embeddings": int(hf["max_position_embeddings"]),
-  }
-
-
 def hf_tensors(m: dict) -> dict:
-  """HF tensor name -> (meshtrain parameter path, layer index or None, HF shape) for model fields `m`."""
-  D, H, K, E, F, V = m["d_model"], m["num_heads"], m["num_kv_heads"], m["head_dim"], m["mlp_dim"], m["vocab_size"]
-  out = {"model.embed_tokens.weight": (("embedding",), None, (V, D)),
-         "model.norm.weight": (("final_norm", "scale"), None, (D,))}
+  """HF tensor name -> (meshtrain parameter path, index into it (layer, expert), HF shape, mapping) for model
+  fields `m`."""
+  s = Sizes(m)
+  out = {"model.embed_tokens.weight": (("embedding",), (), (s.V, s.D), "copy"),
+         "model.norm.weight": (("final_norm", "scale"), (), (s.D,), "copy")}
   if not m["tie_embeddings"]:
-    out["lm_head.weight"] = (("head",), None, (V, D))
-  shapes = {"input_layernorm.weight": (D,), "self_attn.q_proj.weight": (H * E, D),
-            "self_attn.k_proj.weight": (K * E, D), "self_attn.v_proj.weight": (K * E, D),
-            "self_attn.o_proj.weight": (D, H * E), "post_attention_layernorm.weight": (D,),
-            "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
-  for i in range(m["num_layers"]):
-    for suffix, path in LAYER_TENSORS.items():
-      out[f"model.layers.{i}.{suffix}"] = (("layers", *path), i, shapes[suffix])
+    out["lm_head.weight"] = (("head",), (), (s.V, s.D), "t")
+  for i in range(s.N):
+    for name, path, how, shape in layer_tensors(m):
+      for x in range(s.X) if "{x}" in name else [None]:
+        index = (i,) if x is None else (i, x)
+        out[f"model.layers.{i}.{name.format(x=x)}"] = (("layers", *path), index, shape(s), how)
   return out
 
 
 def meshtrain_shapes(m: dict) -> dict:
   """meshtrain parameter path -> shape (stacked over layers), the Flax tree's layout (see the module docstring)."""
-  N, D, H, K, E, F, V = (m[k] for k in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                                        "vocab_size"))
-  shapes = {("embedding",): (V, D), ("final_norm", "scale"): (D,),
-            ("layers", "attn", "q"): (N, D, H, E), ("layers", "attn", "k"): (N, D, K, E),
-            ("layers", "attn", "v"): (N, D, K, E), ("layers", "attn", "o"): (N, H, E, D),
-            ("layers", "mlp", "gate"): (N, D, F), ("layers", "mlp", "up"): (N, D, F),
-            ("layers", "mlp", "down"): (N, F, D),
-            ("layers", "attn_norm", "scale"): (N, D), ("layers", "mlp_norm", "scale"): (N, D)}
+  s = Sizes(m)
+  shapes = {("embedding",): (s.V, s.D), ("final_norm", "scale"): (s.D,)}
+  layer = {("attn_norm", "scale"): (s.D,), ("mlp_norm", "scale"): (s.D,), ("attn", "q"): (s.D, s.H, s.E),
+           ("attn", "k"): (s.D, s.K, s.E), ("attn", "v"): (s.D, s.K, s.E), ("attn", "o"): (s.H, s.E, s.D),
+           ("attn", "q_bias"): (s.H, s.E), ("attn", "k_bias"): (s.K, s.E), ("attn", "v_bias"): (s.K, s.E),
+           ("attn", "q_norm", "scale"): (s.E,), ("attn", "k_norm", "scale"): (s.E,),
+           ("mlp", "gate"): (s.D, s.F), ("mlp", "up"): (s.D, s.F), ("mlp", "down"): (s.F, s.D),
+           ("moe", "router"): (s.D, s.X), ("moe", "gate"): (s.X, s.D, s.F), ("moe", "up"): (s.X, s.D, s.F),
+           ("moe", "down"): (s.X, s.F, s.D)}
+  for _, path, _, _ in layer_tensors(m):
+    shapes[("layers", *path)] = (s.N, *layer[path])
   if not m["tie_embeddings"]:
-    shapes[("head",)] = (D, V)
+    shapes[("head",)] = (s.D, s.V)
   return shapes
 
 
@@ -178,8 +166,9 @@ def check_tensors(files: dict, m: dict, hf_dir: pathlib.Path) -> str:
     ignored |= {"lm_head.weight"} & files.keys()  # some tied checkpoints store the shared matrix twice
   unexpected = sorted(set(files) - set(expected) - ignored)
   if unexpected:
-    raise UserError(f"{str(hf_dir)!r} holds {len(unexpected)} tensor(s) a {ARCHITECTURE} with this config.json has "
-                    f"not, e.g. {unexpected[0]!r} (biases, extra layers or another architecture); not converted")
+    raise UserError(f"{str(hf_dir)!r} holds {len(unexpected)} tensor(s) a {hf_config.FAMILIES[m['family']]} with this "
+                    f"config.json has not, e.g. {unexpected[0]!r} (biases, extra layers or another architecture); not "
+                    "converted")
   missing = [n for n in expected if n not in files]
   if missing:
     hint = (" (tie_word_embeddings is false but there is no lm_head: set it to true if the head is the embedding)"
@@ -209,25 +198,27 @@ def check_tensors(files: dict, m: dict, hf_dir: pathlib.Path) -> str:
   return "bfloat16" if dtypes == {"BF16"} else "float32"
 
 
-def _to_meshtrain(name: str, w: np.ndarray, out: np.ndarray) -> None:
-  """Copies HF tensor `w` into the meshtrain slot `out` (a view into the stacked array), transposing on the way:
-  writing through a reshaped view of the slot avoids a temporary of the transposed tensor."""
-  if name.endswith(("_layernorm.weight", "norm.weight", "embed_tokens.weight")):
-    np.copyto(out, w, casting="same_kind")
-  elif name.endswith("o_proj.weight"):  # [D, H*E] -> [H, E, D]
+def _to_meshtrain(how: str, w: np.ndarray, out: np.ndarray) -> None:
+  """Copies HF tensor `w` into the meshtrain slot `out` (a view into the stacked array) by mapping `how`
+  (ATTENTION_TENSORS), transposing on the way: writing through a reshaped view of the slot avoids a temporary of
+  the transposed tensor."""
+  if how in ("copy", "bias"):  # norms, embedding, biases ([H*E] -> [H, E])
+    np.copyto(out.reshape(w.shape), w, casting="same_kind")
+  elif how == "o":  # [D, H*E] -> [H, E, D]
     np.copyto(out.reshape(-1, out.shape[-1]), w.T, casting="same_kind")
-  else:  # [out, in] -> [in, out...]: q, k, v ([D, H, E] slots), gate, up, down, lm_head
+  else:  # [out, in] -> [in, out...]: q, k, v ([D, H, E] slots), gate, up, down, router, experts, lm_head
     np.copyto(out.reshape(out.shape[0], -1), w.T, casting="same_kind")
 
 
 def from_hf(hf_dir: str, workdir: str) -> pathlib.Path:
-  """Converts the LlamaForCausalLM in `hf_dir` into a meshtrain workdir; returns its path."""
+  """Converts the Hugging Face model in `hf_dir` (a family of hf_config.FAMILIES) into a meshtrain workdir;
+  returns its path."""
   src, target = pathlib.Path(hf_dir).expanduser(), pathlib.Path(workdir).expanduser()
   if not src.is_dir():
     raise UserError(f"HF_DIR {hf_dir!r} is not a directory; pass a Hugging Face model directory (config.json and "
                     "*.safetensors)")
   check_output(target, "--workdir")
-  m = read_hf_config(src)
+  m = hf_config.read(src)
   files = weights.weight_files(src)
   param_dtype = check_tensors(files, m, src)
   tokenizer_files = hf_tokenizer.tokenizer_files(src)
@@ -244,7 +235,8 @@ def from_hf(hf_dir: str, workdir: str) -> pathlib.Path:
         shutil.copyfile(file, tmp / "tokenizer" / file.name)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     meta = {"config": cfg, "params_only": True, "tokenizer": tokenizer, "layer_order": "sequential",
-            "source": {"format": "huggingface", "architecture": ARCHITECTURE, "path": str(src.absolute()),
+            "source": {"format": "huggingface", "architecture": hf_config.FAMILIES[m["family"]],
+                       "path": str(src.absolute()),
                        "dtype": param_dtype}}
     weights.save_params(tmp, params, meta)
     del params  # unmaps the staged arrays, so that removing their files frees the disk space
@@ -272,20 +264,21 @@ def _read_weights(files: dict, m: dict, param_dtype: str, staging: pathlib.Path)
   for file, names in by_file.items():
     with weights.open_safetensors(file) as f:
       for name in names:
-        path, layer, _ = expected[name]
+        path, index, _, how = expected[name]
         node = params
         for key in path:
           node = node[key]
-        _to_meshtrain(name, f.get_tensor(name), node if layer is None else node[layer])
+        _to_meshtrain(how, f.get_tensor(name), node[index] if index else node)
   return params
 
 
 def _meshtrain_config(m: dict, param_dtype: str, tokenizer_files: list[pathlib.Path], workdir: pathlib.Path) -> dict:
   """base_config() with the HF model's fields: the config a converted workdir records."""
   cfg = config_lib.base_config()
-  for key in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-              "tie_embeddings", "rope_theta", "norm_eps"):
-    cfg.model[key] = m[key]
+  for key, value in m.items():
+    if key not in ("family", "max_position_embeddings"):
+      cfg.model[key] = value
+  cfg.model.hf_model_type = m["family"]  # to-hf writes the same architecture back
   cfg.model.preset = "huggingface"
   cfg.model.init = "normal"  # HF weights are used as they are: no fan_in rescaling in the forward pass
   cfg.model.param_dtype = param_dtype
@@ -305,26 +298,9 @@ def _meshtrain_config(m: dict, param_dtype: str, tokenizer_files: list[pathlib.P
 # ----------------------------------------------------------------------------------------------------------------
 # meshtrain -> Hugging Face
 
-def hf_config(model: dict, tied: bool, dtype: str, seq_len: int, tokenizer_ids: dict) -> dict:
-  """config.json for transformers' LlamaForCausalLM with meshtrain model fields `model`."""
-  return {
-      "architectures": [ARCHITECTURE], "model_type": "llama",
-      "vocab_size": model["vocab_size"], "hidden_size": model["d_model"], "intermediate_size": model["mlp_dim"],
-      "num_hidden_layers": model["num_layers"], "num_attention_heads": model["num_heads"],
-      "num_key_value_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "hidden_act": "silu",
-      "max_position_embeddings": seq_len, "rms_norm_eps": model["norm_eps"],
-      # Both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta (and ignores the other).
-      "rope_theta": model["rope_theta"], "rope_scaling": None,
-      "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
-      "tie_word_embeddings": tied, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-      "pretraining_tp": 1, "initializer_range": model.get("init_std", 0.02), "use_cache": True,
-      "dtype": dtype, "torch_dtype": dtype, **tokenizer_ids,
-  }
-
-
 def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[str]]:
-  """Exports the parameters of `workdir` (latest step, or `step`) as a Hugging Face LlamaForCausalLM directory;
-  returns its path and notes about what changed on the way."""
+  """Exports the parameters of `workdir` (latest step, or `step`) as a Hugging Face model directory of the family
+  hf_config.export_family picks; returns its path and notes about what changed on the way."""
   src, target = pathlib.Path(workdir).expanduser(), pathlib.Path(out).expanduser()
   if not (src / "checkpoints").is_dir():
     raise UserError(f"--workdir {workdir!r} holds no checkpoints (no {str(src / 'checkpoints')!r}); pass the "
@@ -334,9 +310,10 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
   from meshtrain import checkpoint  # JAX and Orbax: only once the arguments are checked
   meta, stored, read = checkpoint.param_reader(src, step=step)
   model = meta["config"]["model"]
-  if model.get("num_experts", 0):
-    raise UserError(f"the model in {workdir!r} is a mixture of experts (model.num_experts={model['num_experts']}); "
-                    f"{ARCHITECTURE} has dense MLPs only, so it cannot be exported")
+  if checkpoint.task_of(meta) != "lm":
+    raise UserError(f"{workdir!r} holds a {checkpoint.task_of(meta)} model; Hugging Face export is for language "
+                    "models (task=lm)")
+  family = hf_config.export_family(model)
   if meta.get("layer_order", "sequential") != "sequential":
     raise UserError(f"the checkpoint in {workdir!r} stores its layers in {meta['layer_order']} order (circular "
                     "pipeline); export a checkpoint of a run with pipeline.schedule=gpipe or no pipeline")
@@ -366,19 +343,24 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
     if not tied and "head" not in stored:  # tied + fan_in, untied on export
       yield "lm_head.weight", (embedding.astype(np.float32) / math.sqrt(D)).astype(dtype)
     del embedding
-    for suffix, path in LAYER_TENSORS.items():
-      scale = q_scale if suffix == "self_attn.q_proj.weight" else None
-      yield from _layer_tensors(suffix, _per_layer(read, stored, path, model["num_layers"]), scale)
+    for name, path, how, _ in layer_tensors(model):
+      scale = q_scale if name == "self_attn.q_proj.weight" else None
+      yield from _layer_tensors(name, how, _per_layer(read, stored, path, model["num_layers"]), scale)
+    if family == "qwen2" and not model.get("attention_bias"):  # Qwen2 always has them: zeros are no bias
+      s = Sizes(model)
+      for i in range(s.N):
+        for name, _, _, shape in BIAS_TENSORS:
+          yield f"model.layers.{i}.{name}", np.zeros(shape(s), dtype)
     yield "model.norm.weight", read(("final_norm", "scale"))
     if "head" in stored:
-      yield "lm_head.weight", _to_hf("lm_head.weight", read(("head",)))
+      yield "lm_head.weight", _to_hf("t", read(("head",)))
 
   tok = hf_tokenizer.run_tokenizer(src, meta.get("tokenizer") or {})
   with staged(target) as tmp:
     weights.write_safetensors(tmp, tensors())
     ids = hf_tokenizer.write_tokenizer(tmp, tok, src, meta["config"]["seq_len"])
-    (tmp / "config.json").write_text(json.dumps(hf_config(model, tied, dtype_name, meta["config"]["seq_len"], ids),
-                                                indent=2))
+    hf = hf_config.write(model, family, tied, dtype_name, meta["config"]["seq_len"], ids)
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in ids.items() if v is not None},
                                                            indent=2))
   return target, notes
@@ -394,20 +376,25 @@ def _per_layer(read, stored: dict, path: tuple, num_layers: int):
       yield read((f"layer_{i}", *path))
 
 
-def _layer_tensors(suffix: str, arrays, scale: float | None):
-  """(HF name, tensor) of every layer's `suffix` tensor from `arrays` (its meshtrain parameter, layer by layer).
-  A generator of its own so that the last layer's array is released when it ends, before the next is read."""
+def _layer_tensors(name: str, how: str, arrays, scale: float | None):
+  """(HF name, tensor) of every layer's `name` tensor ({x}: every expert's) from `arrays` (its meshtrain parameter,
+  layer by layer). A generator of its own so that the last layer's array is released when it ends, before the next
+  is read."""
   for i, w in enumerate(arrays):
-    w = _to_hf(suffix, w)
-    if scale:  # folded in float32, rounded once to the storage dtype
-      w = (w.astype(np.float32) * scale).astype(w.dtype)
-    yield f"model.layers.{i}.{suffix}", w
+    for x, w_x in enumerate(w) if "{x}" in name else [(None, w)]:
+      w_x = _to_hf(how, w_x)
+      if scale:  # folded in float32, rounded once to the storage dtype
+        w_x = (w_x.astype(np.float32) * scale).astype(w_x.dtype)
+      yield f"model.layers.{i}.{name.format(x=x)}", w_x
 
 
-def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
-  """The HF tensor `name` ([out, in]) of its meshtrain parameter `w` (one layer's): the inverse of _to_meshtrain."""
-  if name.endswith(("_layernorm.weight", "norm.weight", "embed_tokens.weight")):
-    return w
-  if name.endswith("o_proj.weight"):  # [H, E, D] -> [D, H*E]
+def _to_hf(how: str, w: np.ndarray) -> np.ndarray:
+  """The HF tensor ([out, in]) of its meshtrain parameter `w` (one layer's) by mapping `how`: the inverse of
+  _to_meshtrain."""
+  if how == "copy":  # norms, embedding
+    return np.ascontiguousarray(w)
+  if how == "bias":  # [H, E] -> [H*E]
+    return np.ascontiguousarray(w.reshape(-1))
+  if how == "o":  # [H, E, D] -> [D, H*E]
     return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
   return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)  # [in, out...] -> [out, in]: q, k, v, gate, up, down, head

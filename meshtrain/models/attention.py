@@ -68,8 +68,9 @@ def query_blocks(length: int) -> int:
   return max(n for n in range(1, MAX_BLOCKS + 1) if length % n == 0 and (n == 1 or length // n >= MIN_BLOCK))
 
 
-def causal_attention(q_BLHE, k_BSKE, v_BSKE, impl: str = "auto"):
-  """softmax(q k^T / sqrt(E) + causal mask) v, [B, L, H, E] out, in q's dtype.
+def causal_attention(q_BLHE, k_BSKE, v_BSKE, impl: str = "auto", window: int = 0):
+  """softmax(q k^T / sqrt(E) + causal mask) v, [B, L, H, E] out, in q's dtype. `window` > 0: query i sees keys
+  i - window + 1 .. i only (Mistral's sliding window, as transformers masks it); a window >= L changes nothing.
 
   `impl` is normally resolved already (meshtrain.layout, for its target platform); "auto" is resolved here for
   the platform this process computes on.
@@ -78,12 +79,14 @@ def causal_attention(q_BLHE, k_BSKE, v_BSKE, impl: str = "auto"):
     device = jax.devices()[0]
     impl = resolve(impl, device.platform, q_BLHE.dtype, q_BLHE.shape[-1], q_BLHE.shape[2], k_BSKE.shape[2],
                    getattr(device, "compute_capability", None))
+  window = window if 0 < window < q_BLHE.shape[1] else 0
   if impl in ("xla", "cudnn"):
-    return jax.nn.dot_product_attention(q_BLHE, k_BSKE, v_BSKE, is_causal=True, implementation=impl)
-  return blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, query_blocks(q_BLHE.shape[1]))
+    return jax.nn.dot_product_attention(q_BLHE, k_BSKE, v_BSKE, is_causal=True, implementation=impl,
+                                        local_window_size=(window - 1, 0) if window else None)
+  return blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, query_blocks(q_BLHE.shape[1]), window)
 
 
-def blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, blocks: int):
+def blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, blocks: int, window: int = 0):
   """Causal attention with the queries in `blocks` blocks, block i reading only keys [0, (i+1) C).
 
   XLA computes the full [L, L] scores of a causal mask and throws the upper half away; here block i computes
@@ -106,12 +109,14 @@ def blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, blocks: int):
     k_BSHE_i, v_BSHE_i = k_BSHE[:, :(i + 1) * C], v_BSHE[:, :(i + 1) * C]
     s_BHCS = jnp.einsum("BCHE,BSHE->BHCS", q_BCHE, k_BSHE_i, preferred_element_type=jnp.float32)
     visible_CS = np.concatenate([np.ones((C, i * C), bool), diagonal_CC], axis=1)
+    if window:  # query i * C + c sees keys from i * C + c - window + 1 on
+      visible_CS &= np.arange((i + 1) * C)[None, :] > np.arange(i * C, (i + 1) * C)[:, None] - window
     p_BHCS = jax.nn.softmax(jnp.where(visible_CS, s_BHCS, -jnp.inf), axis=-1)
     outs.append(jnp.einsum("BHCS,BSHE->BCHE", p_BHCS.astype(v_BSHE.dtype), v_BSHE_i))
   return jnp.concatenate(outs, axis=1)
 
 
-def cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end):
+def cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end, window: int = 0):
   """Attention of L new tokens over a key/value cache of S slots, for generation (no gradient is taken).
 
   The new tokens sit at slots end..end+L-1 and their keys are already written there. Row b's own tokens start at
@@ -119,7 +124,8 @@ def cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end):
   a padding query (in a prefill of left-padded prompts) has one key instead of none (no 0/0); what it computes is
   never read. Grouped heads without repeating the cache G times: head h reads kv head h // G, as in
   `causal_attention`. The cache is [B, K, S, E] and the queries are moved to [B, K, G*L, E], so both matmuls batch
-  over the leading (B, K) and no cache-sized array is transposed. Scores and softmax in float32.
+  over the leading (B, K) and no cache-sized array is transposed. Scores and softmax in float32. `window` > 0:
+  query i also sees no slot before end + i - window + 1 (slots and positions differ by start_B, the same for a row).
   """
   B, L, H, E = q_BLHE.shape
   K, S = k_BKSE.shape[1], k_BKSE.shape[2]
@@ -131,6 +137,8 @@ def cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end):
   key_S = jnp.arange(S)
   visible_BLS = ((key_S[None, None, :] >= start_B[:, None, None]) & (key_S[None, None, :] <= slot_L[None, :, None])
                  | (key_S[None, None, :] == slot_L[None, :, None]))
+  if window:
+    visible_BLS &= key_S[None, None, :] > slot_L[None, :, None] - window
   p_BKGLS = jax.nn.softmax(jnp.where(visible_BLS[:, None, None], s_BKGLS, -jnp.inf), axis=-1)
   o_BKGLE = jnp.einsum("BKGLS,BKSE->BKGLE", p_BKGLS.astype(v_BKSE.dtype), v_BKSE)
   return o_BKGLE.transpose(0, 3, 1, 2, 4).reshape(B, L, H, E).astype(q_BLHE.dtype)

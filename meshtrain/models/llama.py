@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain import sharding
-from meshtrain.models import attention
+from meshtrain.models import attention, rope
 from meshtrain.models.activations import swiglu
 from meshtrain.models.moe import MoEConfig, MoEMLP
-from meshtrain.models.params import FanIn, param
+from meshtrain.models.params import FanIn, param, zeros as zeros_param
 from meshtrain.parallel import context, pipeline
 
 # model.init="fan_in": MaxText 0.2.5's initialisers for its default decoder (decoder_block: llama2, use_qk_norm:
@@ -92,6 +92,17 @@ class ModelConfig:
   mlp_dim: int
   tie_embeddings: bool = False
   rope_theta: float = 10_000.0
+  rope_type: str = "default"       # default | linear | llama3 | yarn (meshtrain/models/rope.py)
+  rope_factor: float = 1.0         # context extension factor (linear, llama3, yarn)
+  rope_original_max_len: int = 0   # the context the model was pretrained on (llama3, yarn)
+  rope_low_freq_factor: float = 1.0   # llama3
+  rope_high_freq_factor: float = 4.0  # llama3
+  rope_beta_fast: float = 32.0     # yarn
+  rope_beta_slow: float = 1.0      # yarn
+  rope_attention_factor: float = 0.0  # yarn: cos/sin factor; 0: 0.1 ln(rope_factor) + 1
+  attention_bias: bool = False     # biases on the q, k and v projections (Qwen2); never on o
+  qk_norm: bool = False            # RMSNorm over each query and key head before the rotary embedding (Qwen3)
+  sliding_window: int = 0          # > 0: each token attends to at most this many (itself included); 0: all
   norm_eps: float = 1e-5
   init: str = "normal"             # normal: normal(init_std) | fan_in: MaxText's initialisers (mapping above)
   init_std: float = 0.02
@@ -131,11 +142,13 @@ def context_axis() -> str | None:
 
 
 class RMSNorm(nn.Module):
+  """Over the last axis: the model width (logical axis `norm`), or each head (`head_dim`, Qwen3's q/k norm)."""
   cfg: ModelConfig
+  axis: str = "norm"
 
   @nn.compact
   def __call__(self, x_BLD):
-    scale_D = param(self, "scale", (x_BLD.shape[-1],), ("norm",), None, self.cfg.param_dtype)
+    scale_D = param(self, "scale", (x_BLD.shape[-1],), (self.axis,), None, self.cfg.param_dtype)
     x = x_BLD.astype(jnp.float32)  # the mean of squares is taken in float32 whatever the compute dtype
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
     return (x * scale_D).astype(self.cfg.dtype)
@@ -172,41 +185,6 @@ def dense(x, w, features: str):
     return y.reshape(*x.shape[:2], *w.shape[len(x_in):])
   y = jnp.einsum(f"T{x_in},{w_in}->T{out}", x.reshape(-1, *x.shape[2:]), w)
   return y.reshape(*x.shape[:2], *y.shape[1:])
-
-
-def rotary(x_BLHE, pos_L, theta: float):
-  """Rotary position embedding on the two halves of each head, at each token's position in its sequence:
-  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Positions [L] (one for all rows, training) or [B, L] (each row
-  its own, generation from left-padded prompts)."""
-  if pos_L.ndim == 2:
-    return _rotary_per_row(x_BLHE, pos_L, theta)
-  B, L, H, E = x_BLHE.shape
-  freq_F = theta ** (-jnp.arange(0, E // 2, dtype=jnp.float32) * 2 / E)  # F = E / 2 frequencies
-  angle_LF = pos_L.astype(jnp.float32)[:, None] * freq_F[None, :]
-  # The barrier makes XLA keep the [L, F] tables in memory: without it the CPU backend fuses sine and cosine
-  # into every [B, L, H, F] consumer, forward and backward, computing each B*H times.
-  sin_LF, cos_LF = jax.lax.optimization_barrier((jnp.sin(angle_LF), jnp.cos(angle_LF)))
-  cos_L12F = jnp.stack([cos_LF, cos_LF], axis=1)[:, None]
-  sin_L12F = jnp.stack([-sin_LF, sin_LF], axis=1)[:, None]
-  # The halves as an axis of 2, swapped by reversing it: one elementwise fusion forward and backward, where
-  # split + concatenate made XLA's CPU backend copy both halves (slower forward and backward).
-  x_BLH2F = x_BLHE.astype(jnp.float32).reshape(B, L, H, 2, E // 2)
-  out_BLH2F = x_BLH2F * cos_L12F + x_BLH2F[..., ::-1, :] * sin_L12F
-  return out_BLH2F.reshape(B, L, H, E).astype(x_BLHE.dtype)
-
-
-def _rotary_per_row(x_BLHE, pos_BL, theta: float):
-  """`rotary` with a position per row and column: the same arithmetic (halves as an axis of 2) on [B, L] tables.
-  A separate function so the training path's program is exactly what it was."""
-  B, L, H, E = x_BLHE.shape
-  freq_F = theta ** (-jnp.arange(0, E // 2, dtype=jnp.float32) * 2 / E)
-  angle_BLF = pos_BL.astype(jnp.float32)[:, :, None] * freq_F
-  sin_BLF, cos_BLF = jnp.sin(angle_BLF), jnp.cos(angle_BLF)
-  cos_BL12F = jnp.stack([cos_BLF, cos_BLF], axis=2)[:, :, None]
-  sin_BL12F = jnp.stack([-sin_BLF, sin_BLF], axis=2)[:, :, None]
-  x_BLH2F = x_BLHE.astype(jnp.float32).reshape(B, L, H, 2, E // 2)
-  out_BLH2F = x_BLH2F * cos_BL12F + x_BLH2F[..., ::-1, :] * sin_BL12F
-  return out_BLH2F.reshape(B, L, H, E).astype(x_BLHE.dtype)
 
 
 # Logical axes of the key/value cache ([layers, batch, kv heads, slots, head dim]); meshtrain/sharding.py maps them
@@ -277,9 +255,18 @@ class Attention(nn.Module):
     q_BLHE = c.products(x_BLD, w_q, "D,DHE->HE")
     k_BLKE = c.products(x_BLD, w_k.astype(c.dtype), "D,DKE->KE")
     v_BLKE = c.products(x_BLD, w_v.astype(c.dtype), "D,DKE->KE")
-    q_BLHE = nn.with_logical_constraint(rotary(q_BLHE, pos_L, c.rope_theta),
+    if c.attention_bias:
+      bias = lambda name, heads, axis: zeros_param(self, name, (heads, E), (axis, "head_dim"),
+                                                   c.param_dtype).astype(c.dtype)
+      q_BLHE = q_BLHE + bias("q_bias", H, "heads")
+      k_BLKE = k_BLKE + bias("k_bias", K, "kv_heads")
+      v_BLKE = v_BLKE + bias("v_bias", K, "kv_heads")
+    if c.qk_norm:
+      q_BLHE = RMSNorm(c, axis="head_dim", name="q_norm")(q_BLHE)
+      k_BLKE = RMSNorm(c, axis="head_dim", name="k_norm")(k_BLKE)
+    q_BLHE = nn.with_logical_constraint(rope.rotary(q_BLHE, pos_L, c),
                                         ("act_batch", "act_len", "act_heads", "act_head_dim"))
-    k_BLKE = nn.with_logical_constraint(rotary(k_BLKE, pos_L, c.rope_theta),
+    k_BLKE = nn.with_logical_constraint(rope.rotary(k_BLKE, pos_L, c),
                                         ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     if kv is not None:
@@ -287,16 +274,17 @@ class Attention(nn.Module):
       write = lambda cache_BKSE, new_BLKE: nn.with_logical_constraint(jax.lax.dynamic_update_slice(
           cache_BKSE, new_BLKE.transpose(0, 2, 1, 3).astype(cache_BKSE.dtype), (0, 0, end, 0)), CACHE_AXES[1:])
       k_BKSE, v_BKSE = write(k_BKSE, k_BLKE), write(v_BKSE, v_BLKE)
-      o_BLHE = attention.cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end)
+      o_BLHE = attention.cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end, c.sliding_window)
       o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
       return c.products(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BKSE, v_BKSE)
     if axis := context_axis():
-      # The sequence is split over devices: each holds a chunk of queries and must see every earlier key.
+      # The sequence is split over devices: each holds a chunk of queries and must see every earlier key (a
+      # sliding window shorter than the sequence is refused with this split: meshtrain/tasks/lm_config.py).
       pos_BL = jnp.broadcast_to(pos_L, q_BLHE.shape[:2])
       o_BLHE = context.sequence_sharded_attention(q_BLHE, k_BLKE, v_BLKE, pos_BL, mesh=jax.sharding.get_abstract_mesh(),
                                                   axis_name=axis, impl=c.context_attention, causal=True)
     else:
-      o_BLHE = attention.causal_attention(q_BLHE, k_BLKE, v_BLKE, c.attention)
+      o_BLHE = attention.causal_attention(q_BLHE, k_BLKE, v_BLKE, c.attention, c.sliding_window)
     o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
     return c.products(o_BLHE, w_o.astype(c.dtype), "HE,HED->D")
 

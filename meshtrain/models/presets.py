@@ -29,6 +29,19 @@ def model_config(name: str) -> ml_collections.ConfigDict:
   m.vocab_size = vocab            # embedding rows / logits (V)
   m.tie_embeddings = tied         # reuse the embedding matrix as the output projection
   m.rope_theta = theta            # rotary embedding base
+  m.rope_type = "default"         # rotary scaling: default | linear | llama3 | yarn (meshtrain/models/rope.py)
+  m.rope_factor = 1.0             # context extension factor (linear, llama3, yarn)
+  m.rope_original_max_len = 0     # context the model was pretrained on (llama3, yarn)
+  m.rope_low_freq_factor = 1.0    # llama3: wavelengths above original_max_len / this are divided by rope_factor
+  m.rope_high_freq_factor = 4.0   # llama3: wavelengths below original_max_len / this are kept
+  m.rope_beta_fast = 32.0         # yarn: rotations where the ramp to the original frequencies ends
+  m.rope_beta_slow = 1.0          # yarn: rotations where the ramp from the interpolated frequencies starts
+  m.rope_attention_factor = 0.0   # yarn: cos/sin multiplied by this; 0 = 0.1 ln(rope_factor) + 1
+  m.attention_bias = False        # biases on the q, k, v projections (Qwen2); o never has one
+  m.qk_norm = False               # RMSNorm over each query and key head before rotary (Qwen3)
+  m.sliding_window = 0            # > 0: each token attends to the last this-many tokens, itself included (Mistral)
+  m.hf_model_type = ""            # the Hugging Face model_type convert to-hf writes (llama | mistral | qwen2 |
+                                  # qwen3 | mixtral); "": the simplest that holds this model's features
   m.norm_eps = 1e-5               # RMSNorm epsilon
   m.init = "normal"               # normal: normal(init_std) | fan_in: MaxText's initialisers (see models/llama.py)
   m.init_std = 0.02               # init=normal: stddev of every matrix (output projections scaled by depth)

@@ -40,6 +40,10 @@ def check_parallelism(cfg, sizes: dict[str, int], microbatches: int | None = Non
     raise UserError("a mixture-of-experts model under context parallelism (mesh.sequence > 1) needs "
                     "--config.sharding.causal_load_balance=false: expert capacity is given out in token order, so "
                     "the zigzag order would drop different tokens than one device does")
+  if shards > 1 and 0 < m.sliding_window < cfg.seq_len:
+    raise UserError(f"model.sliding_window={m.sliding_window} is shorter than seq_len={cfg.seq_len}, and the "
+                    f"sequence-split attention (mesh.sequence={shards}) has no sliding window; use mesh.sequence=1 "
+                    "or seq_len <= sliding_window")
   if stages > 1 and shards > 1:
     raise UserError("pipeline stages (mesh.stage > 1) with context parallelism (mesh.sequence > 1) are not "
                     "supported: ring attention's shard_map cannot run inside the pipeline's stage vmap; use one of "

@@ -5,11 +5,13 @@ from meshtrain.errors import UserError
 
 # Fields that decide the shape of the train state: a checkpoint is only compatible when all of them match.
 SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                "num_experts", "tie_embeddings", "scan_layers", "param_dtype")
+                "num_experts", "tie_embeddings", "attention_bias", "qk_norm", "scan_layers", "param_dtype")
 DATA_FORMATS = ("text", "prompt_completion")  # meshtrain/data/packing.py and meshtrain/data/sft.py
 REMAT_POLICIES = ("none", "full", "save_dots")  # meshtrain/models/llama.py's policies by these names
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
 ATTENTION = ("auto", "blocked", "xla", "cudnn")  # meshtrain/models/attention.py (likewise)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # meshtrain/models/rope.py (likewise)
+HF_MODEL_TYPES = ("", "llama", "mistral", "qwen2", "qwen3", "mixtral")  # meshtrain/interop/hf.py's families
 # The input pipeline (data.Batches) holds, per process, at most 4 batches of its rows: 2 read ahead by grain's
 # workers (each, while built, int32 inputs, targets and the packed [rows, seq_len + 1] array they are cut from), 1 in
 # grain's device-prefetch buffer and 1 in use; counted as 3 int32 arrays each: 4 x 3 x 4 bytes per token.
@@ -65,7 +67,26 @@ def check(cfg) -> None:
                     "grouped-query attention shares each KV head among num_heads/num_kv_heads query heads")
   if m.head_dim % 2:
     raise UserError(f"model.head_dim={m.head_dim} must be even for rotary position embedding")
+  check_rope_and_window(cfg)
   check_text_data(cfg)
+
+
+def check_rope_and_window(cfg) -> None:
+  """Rotary scaling, the sliding window and the export family."""
+  m = cfg.model
+  config_lib.check_choice("model.rope_type", m.rope_type, ROPE_TYPES)
+  config_lib.check_choice("model.hf_model_type", m.hf_model_type, HF_MODEL_TYPES)
+  if m.rope_type != "default" and m.rope_factor < 1:
+    raise UserError(f"model.rope_factor={m.rope_factor} with model.rope_type={m.rope_type}: the factor extends the "
+                    "context, it must be >= 1")
+  if m.rope_type in ("llama3", "yarn") and m.rope_original_max_len <= 0:
+    raise UserError(f"model.rope_type={m.rope_type} needs model.rope_original_max_len, the context the model was "
+                    "pretrained on (Llama 3.1: 8192)")
+  if m.rope_type == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+    raise UserError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
+                    f"{m.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
+  if m.sliding_window < 0:
+    raise UserError(f"model.sliding_window={m.sliding_window} must be >= 0 (0: attend to every earlier token)")
 
 
 def check_text_data(cfg) -> None:

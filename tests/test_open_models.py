@@ -1,0 +1,127 @@
+"""Today's open-model families against transformers itself: Llama 3.x rotary scalings, Qwen2 biases, Qwen3 q/k norms,
+Mistral's sliding window, Mixtral's experts. For each, a model transformers makes with random weights converts in
+(logits within TOLERANCE, greedy tokens equal through the KV-cache generator) and back out (the same architecture,
+the same tensors, equal logits in transformers).
+
+Needs the `hf` extra, as tests/test_convert.py (whose helpers this file uses).
+"""
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_convert import TOKENS, assert_close, hf_greedy, hf_logits, run_convert
+
+import torch
+import transformers
+from meshtrain import checkpoint
+from meshtrain.models.llama import ModelConfig, Transformer
+
+SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+# family variant: (transformers config class, its fields beyond SHAPE)
+VARIANTS = {
+    "llama3": (transformers.LlamaConfig, dict(head_dim=16, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama_linear_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10_000.0, "factor": 2.0})),
+    "llama_yarn": (transformers.LlamaConfig, dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 1_000_000.0})),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16)),
+    "qwen3_tied_mha": (transformers.Qwen3Config, dict(head_dim=8, num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral_window": (transformers.MistralConfig, dict(head_dim=16, sliding_window=5)),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def make(path, variant, dtype=torch.float32):
+  """A random model of `variant` saved by transformers, weights redrawn at 1/sqrt(fan_in), norm scales away from 1
+  and biases away from 0, so logits are O(1) and a wrong mapping could not hide under the tolerance."""
+  config_class, fields = VARIANTS[variant]
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config_class(**{**SHAPE, **fields}))
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.uniform_(0.5, 1.5)
+      elif "embed" in name or p.ndim == 1:
+        p.normal_(0, 1)
+      else:
+        p.normal_(0, p.shape[1] ** -0.5)
+  model.to(dtype).save_pretrained(path)
+  return path
+
+
+def no_drop(model: dict) -> ModelConfig:
+  """The model as generation runs it: a mixture of experts without capacity drops (as transformers)."""
+  c = ModelConfig.from_config(model)
+  return dataclasses.replace(c, capacity_factor=c.num_experts / c.experts_per_token) if c.num_experts else c
+
+
+def logits_of(workdir, tokens=TOKENS):
+  params, meta = checkpoint.load_params(workdir)
+  return np.asarray(Transformer(no_drop(meta["config"]["model"])).apply({"params": params}, jnp.asarray(tokens)))
+
+
+def greedy_of(workdir, prompt_BP, new):
+  from meshtrain.inference.generator import Generator
+  generator = Generator.from_workdir(workdir, num_ids=SHAPE["vocab_size"])
+  out = generator.generate([list(map(int, row)) for row in prompt_BP], max_new_tokens=new, stop_at_eos=False)
+  return np.asarray(out.token_ids)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def converted(request, tmp_path_factory):
+  root = tmp_path_factory.mktemp(request.param)
+  hf = make(root / "hf", request.param)
+  assert run_convert("from-hf", hf, "--workdir", root / "w") == 0
+  return request.param, hf, root
+
+
+def test_imports_with_transformers_logits(converted):
+  variant, hf, root = converted
+  model = checkpoint.load_params(root / "w")[1]["config"]["model"]
+  family = json.loads((hf / "config.json").read_text())["model_type"]
+  assert model["hf_model_type"] == family
+  assert model["attention_bias"] == (family == "qwen2") and model["qk_norm"] == (family == "qwen3")
+  assert model["num_experts"] == (4 if family == "mixtral" else 0)
+  assert model["rope_type"] == VARIANTS[variant][1].get("rope_parameters", {}).get("rope_type", "default")
+  assert model["sliding_window"] == (5 if variant == "mistral_window" else 0)
+  ours = logits_of(root / "w")
+  assert_close(ours, hf_logits(hf))
+  if variant == "mistral_window":  # the window is at work on these 12 tokens: without it the logits differ
+    params, meta = checkpoint.load_params(root / "w")
+    unwindowed = dataclasses.replace(no_drop(meta["config"]["model"]), sliding_window=0)
+    plain = np.asarray(Transformer(unwindowed).apply({"params": params}, jnp.asarray(TOKENS)))
+    assert np.max(np.abs(plain - ours)) > 1e-2
+
+
+def test_generates_transformers_greedy_tokens(converted):
+  _, hf, root = converted
+  prompt = TOKENS[:, :5]  # 5 + 10 tokens: past mistral_window's window of 5, and past yarn/llama3's original 16
+  np.testing.assert_array_equal(greedy_of(root / "w", prompt, 14), hf_greedy(hf, prompt, 14))
+
+
+def test_exports_the_same_architecture_and_tensors(converted):
+  variant, hf, root = converted
+  assert run_convert("to-hf", "--workdir", root / "w", "--out", root / "back") == 0
+  before, after = (json.loads((d / "config.json").read_text()) for d in (hf, root / "back"))
+  assert after["architectures"] == before["architectures"] == [ARCHITECTURES[before["model_type"]]]
+  rope = after["rope_parameters"]  # transformers' defaults (yarn's beta_fast, beta_slow) may be written out
+  assert {k: rope[k] for k in before["rope_parameters"]} == before["rope_parameters"]
+  for key in ("sliding_window", "num_local_experts", "num_experts_per_tok",
+              "tie_word_embeddings", "num_key_value_heads"):
+    assert after.get(key) == before.get(key), (key, after.get(key), before.get(key))
+  assert after["head_dim"] == (before.get("head_dim") or before["hidden_size"] // before["num_attention_heads"])
+  from safetensors.numpy import load_file
+  theirs, ours = load_file(hf / "model.safetensors"), load_file(root / "back" / "model.safetensors")
+  assert sorted(theirs) == sorted(ours)
+  for name, w in theirs.items():
+    assert np.array_equal(ours[name], w), name
+  assert_close(hf_logits(root / "back"), hf_logits(hf))
