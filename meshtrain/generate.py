@@ -1,6 +1,7 @@
 """Generate text from a trained (or converted) model: a compiled prefill, then a KV-cache decode loop on the device.
 
-  python -m meshtrain.generate --workdir W [--step N] (--prompt TEXT ... | --prompt-file F | --prompt-ids 1,2,3)
+  python -m meshtrain.generate --workdir W [--step N]
+      (--prompt TEXT ... | --prompt-file F | --prompt-ids 1,2,3 | --messages CHAT.json)
       [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--max-len N] [--json]
       [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N]
 
@@ -13,6 +14,9 @@ meshtrain.generate, srun, ...; meshtrain.runtime starts the distributed runtime 
 process's devices, the parameters are restored sharded over it, and each process reads the same prompts. The
 generated ids are gathered onto every process; process 0 alone prints them.
 
+--messages: a conversation (a JSON list of {"role", "content"}) rendered by the run's chat template as transformers
+renders it (meshtrain/inference/chat.py), with the assistant's generation prompt.
+
 Exit codes: 0 done, 2 a user mistake (bad prompt, length, sampling setting, missing checkpoint), one `error:` line
 (from every process, before anything is compiled), 3 a process that never reached a barrier.
 """
@@ -22,7 +26,7 @@ import sys
 
 from meshtrain import config as config_lib, runtime
 from meshtrain.errors import ArgumentParser, RunAborted, UserError
-from meshtrain.inference import stream as stream_lib
+from meshtrain.inference import chat, stream as stream_lib
 from meshtrain.inference.generator import Generator, Sampling
 
 STREAM_EVERY = 16  # tokens per decode call when streaming: one host round trip per 16 tokens costs ~nothing
@@ -39,6 +43,8 @@ def parse_args(argv: list[str]):
                       help="a file whose text is one prompt (repeatable)")
   source.add_argument("--prompt-ids", action="append", metavar="IDS",
                       help="token ids of one prompt, e.g. 1,2,3 (repeatable)")
+  source.add_argument("--messages", action="append", metavar="FILE", help='a conversation, a JSON list of {"role": '
+                      '..., "content": ...}, rendered by the run\'s chat template (repeatable)')
   parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
   parser.add_argument("--top-k", type=int, default=0, help="sample from the K most likely ids (0: all)")
@@ -81,6 +87,8 @@ def parse_args(argv: list[str]):
 def read_prompts(args) -> list:
   if args.prompt is not None:
     return list(args.prompt)
+  if args.messages is not None:
+    return chat.conversation_prompts(args.workdir, args.messages)
   if args.prompt_file is not None:
     prompts = []
     for path in args.prompt_file:

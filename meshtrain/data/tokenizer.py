@@ -3,13 +3,16 @@
   tok = load("byte" | "path/to/tokenizer.json" | "path/to/x.model" | "dir/holding/one")
   tok.encode(text) -> int32 ids (no specials added), tok.decode(ids) -> text (specials skipped)
   tok.token_bytes() -> int32[vocab_size]: UTF-8 bytes of each id's text (0 for specials), for bits per byte
+  tok.encode_with_specials(text) -> int32 ids, special-token strings as their ids (a rendered chat template)
 
 The byte tokenizer needs no file and nothing to download, and every string round-trips exactly: ids 0..255 are
 the UTF-8 bytes, three specials above them (the module-level constants and functions below are it).
 
 A run keeps its tokenizer in WORKDIR/tokenizer/ (`save_to_workdir`, `from_workdir`) under the usual file names
 (`tokenizer.json` with `tokenizer_config.json` and `special_tokens_map.json`, or `tokenizer.model`), so
-generation, export and resume need no flag; nothing there means bytes. `fingerprint` (sha256 of the file) names
+generation, export and resume need no flag; nothing there means bytes. A chat template (`chat_template.jinja`, or the
+`chat_template` of `tokenizer_config.json`: `chat_template(directory)`) travels with them; meshtrain/inference/chat.py
+renders it. `fingerprint` (sha256 of the file) names
 a tokenizer in checkpoint metadata: a copy or a move of the file is the same tokenizer, another file is not.
 
 `tokenizers` and `sentencepiece` are imported only when such a file is loaded.
@@ -31,11 +34,15 @@ EOS_ID = 257     # ends every document in the packed stream
 BOS_ID = 258     # reserved for callers that want an explicit start token (packing does not add it)
 VOCAB_SIZE = 259  # the smallest model.vocab_size that holds every id above
 NUM_SPECIAL = VOCAB_SIZE - 256
+# The byte tokenizer's specials by the names Hugging Face gives them (the tokenizer.json to-hf writes, chat templates).
+BYTE_SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>"}
 
 BYTE = "byte"
 WORKDIR_SUBDIR = "tokenizer"
 HF_FILE = "tokenizer.json"
 SP_FILE = "tokenizer.model"
+CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # wins over tokenizer_config.json's chat_template, as in transformers
 # The specials a trained BPE gets (ids 0, 1, 2), named as GPT-2/Llama-3 name theirs so other tools recognise them.
 BPE_SPECIALS = ("<|pad|>", "<|endoftext|>", "<|begin_of_text|>")
 # Names under which Hugging Face tokenizers commonly carry their specials, tried when no tokenizer_config.json
@@ -96,6 +103,16 @@ class Tokenizer:
   def decode(self, ids) -> str:
     raise NotImplementedError
 
+  def encode_with_specials(self, text: str) -> np.ndarray:
+    """`text` with every special-token string in it (e.g. "<|im_start|>") as that token's id, the rest encoded as
+    encode() does, nothing added: how transformers encodes a rendered chat template (apply_chat_template)."""
+    raise NotImplementedError
+
+  def special_tokens(self) -> dict[str, str]:
+    """Its specials by Hugging Face's names ({"eos_token": "<|endoftext|>", ...}), as to-hf writes them into a
+    tokenizer_config.json for it."""
+    raise NotImplementedError
+
   def token_bytes(self) -> np.ndarray:
     raise NotImplementedError
 
@@ -122,10 +139,32 @@ class ByteTokenizer(Tokenizer):
   def decode(self, ids):
     return decode(ids)
 
+  def encode_with_specials(self, text):
+    ids = {BYTE_SPECIAL_TOKENS[k]: i for k, i in (("pad_token", PAD_ID), ("eos_token", EOS_ID), ("bos_token", BOS_ID))}
+    return _split_at_specials(text, ids, self.encode)
+
+  def special_tokens(self):
+    return dict(BYTE_SPECIAL_TOKENS)
+
   def token_bytes(self):
     table = np.zeros(VOCAB_SIZE, np.int32)
     table[:256] = 1
     return table
+
+
+def _split_at_specials(text: str, specials: dict[str, int], encode) -> np.ndarray:
+  """`text` cut at the strings of `specials` (the longest first where several match), each one its id, the text
+  between them encoded by `encode`."""
+  if not specials:
+    return np.asarray(encode(text), np.int32)
+  pattern = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+  out = []
+  for i, piece in enumerate(re.split(f"({pattern})", text)):
+    if i % 2:
+      out.append(np.asarray([specials[piece]], np.int32))
+    elif piece:
+      out.append(np.asarray(encode(piece), np.int32))
+  return np.concatenate(out) if out else np.zeros(0, np.int32)
 
 
 @functools.lru_cache(maxsize=1)
@@ -191,6 +230,7 @@ class HfTokenizer(Tokenizer):
     # Padded inputs are never trained on (their targets are ignored), so any real id serves; EOS is the usual one.
     self.pad_id = self.eos_id if pad is None else pad
     self.fingerprint = _sha256(path)
+    self._chat_tok = None  # encode_with_specials' copy, made on first use
 
   def _configured_specials(self, directory: pathlib.Path) -> dict[str, str]:
     """pad/eos/bos token strings from tokenizer_config.json / special_tokens_map.json beside the file."""
@@ -227,6 +267,18 @@ class HfTokenizer(Tokenizer):
   def decode(self, ids):
     ids = [int(i) for i in np.asarray(ids).reshape(-1) if 0 <= i < self.vocab_size]
     return self._tok.decode(ids, skip_special_tokens=True)
+
+  def encode_with_specials(self, text):
+    if self._chat_tok is None:
+      import tokenizers  # likewise
+      # A second copy of the tokenizer that matches its special tokens in the text (tokenizers' own matching of
+      # the added tokens, as transformers encodes); the first keeps encoding them as text.
+      self._chat_tok = tokenizers.Tokenizer.from_str(json.dumps(self._spec))
+      self._chat_tok.encode_special_tokens = False
+    return np.asarray(self._chat_tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def special_tokens(self):
+    return hf_special_tokens(self)
 
   def token_bytes(self):
     table = np.zeros(self.vocab_size, np.int32)
@@ -287,6 +339,17 @@ class SentencePieceTokenizer(Tokenizer):
   def decode(self, ids):
     ids = [int(i) for i in np.asarray(ids).reshape(-1) if 0 <= i < self.vocab_size]
     return self._sp.decode(ids)
+
+  def encode_with_specials(self, text):
+    # The control pieces and <unk> are the special tokens transformers gives a tokenizer built from the model
+    # (PreTrainedTokenizerFast); it encodes each stretch of text between them as SentencePiece encodes it alone.
+    specials = {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
+                if self._sp.is_control(i) or self._sp.is_unknown(i)}
+    return _split_at_specials(text, specials, self.encode)
+
+  def special_tokens(self):
+    named = {"bos_token": self.bos_id, "eos_token": self.eos_id, "pad_token": self.pad_id, "unk_token": self.unk_id}
+    return {k: self.piece(i) for k, i in named.items() if i is not None}
 
   def token_bytes(self):
     table = np.zeros(self.vocab_size, np.int32)
@@ -355,20 +418,57 @@ def from_workdir(workdir: str | os.PathLike) -> Tokenizer:
   return load(directory)
 
 
-def _hf_side_files(tok: HfTokenizer) -> dict[str, str]:
-  """tokenizer_config.json and special_tokens_map.json contents, so transformers' AutoTokenizer loads the dir."""
+def hf_special_tokens(tok: HfTokenizer) -> dict[str, str]:
+  """eos, pad (and bos) of a tokenizer.json by their token strings, as its generated side files name them."""
   name = lambda i: None if i is None else tok._id_to_token[i]  # pylint: disable=protected-access
   specials = {"eos_token": name(tok.eos_id), "pad_token": name(tok.pad_id)}
   if tok.bos_id is not None:
     specials["bos_token"] = name(tok.bos_id)
+  return specials
+
+
+def _hf_side_files(tok: HfTokenizer) -> dict[str, str]:
+  """tokenizer_config.json and special_tokens_map.json contents, so transformers' AutoTokenizer loads the dir."""
+  specials = hf_special_tokens(tok)
   config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30, "clean_up_tokenization_spaces":
             False, **specials}
   return {"tokenizer_config.json": json.dumps(config, indent=2),
           "special_tokens_map.json": json.dumps(specials, indent=2)}
 
 
+def chat_template(directory: str | os.PathLike) -> str | dict[str, str] | None:
+  """The chat template(s) of the tokenizer files in `directory`, as transformers' AutoTokenizer reads them:
+  chat_template.jinja if there is one, else tokenizer_config.json's chat_template (a string, or a list of
+  {"name", "template"}, returned as {name: template}); None if neither has one."""
+  directory = pathlib.Path(directory)
+  try:
+    return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+  except FileNotFoundError:
+    pass
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"cannot read the chat template {str(directory / CHAT_TEMPLATE_FILE)!r}: {e}") from e
+  try:
+    config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as e:
+    raise UserError(f"cannot read {str(directory / CONFIG_FILE)!r}: {e}") from e
+  template = config.get("chat_template") if isinstance(config, dict) else None
+  if isinstance(template, list):
+    try:
+      return {t["name"]: t["template"] for t in template}
+    except (TypeError, KeyError) as e:
+      raise UserError(f"{str(directory / CONFIG_FILE)!r}: chat_template is a list but not of "
+                      '{"name": ..., "template": ...} entries') from e
+  return template or None
+
+
 def write_files(tok: Tokenizer, directory: pathlib.Path) -> None:
-  """Writes `tok`'s files into the existing `directory` under their usual names (nothing for bytes)."""
+  """Writes `tok`'s files into the existing `directory` under their usual names (nothing for bytes), with the
+  chat template beside it: chat_template.jinja as it is; a single template only its tokenizer_config.json holds,
+  where that file is not copied (a SentencePiece model's, a tokenizer.json under another name), as
+  chat_template.jinja."""
+  copied_config = False
   if tok.kind == "hf":
     shutil.copyfile(tok.path, directory / HF_FILE)
     for name, text in _hf_side_files(tok).items():
@@ -376,10 +476,19 @@ def write_files(tok: Tokenizer, directory: pathlib.Path) -> None:
       # The tokenizer's own side files carry more (chat template, added-token details); ours only what we know.
       if source.is_file() and tok.path.name == HF_FILE:
         shutil.copyfile(source, directory / name)
+        copied_config |= name == CONFIG_FILE
       else:
         (directory / name).write_text(text)
   elif tok.kind == "sentencepiece":
     shutil.copyfile(tok.path, directory / SP_FILE)
+  if tok.kind == BYTE:
+    return
+  if (tok.path.parent / CHAT_TEMPLATE_FILE).is_file():
+    shutil.copyfile(tok.path.parent / CHAT_TEMPLATE_FILE, directory / CHAT_TEMPLATE_FILE)
+  elif not copied_config:
+    template = chat_template(tok.path.parent)
+    if isinstance(template, str):  # several named ones travel only in their tokenizer_config.json
+      (directory / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
 
 
 def save_to_workdir(tok: Tokenizer, workdir: str | os.PathLike) -> None:

@@ -64,6 +64,7 @@ class Output:
   prefill_s: float
   decode_s: float
   decode_tokens: int           # tokens made by the decode loop (each row's first token comes from the prefill)
+  prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)  # the ids each prompt was encoded to
 
   @property
   def prefill_tokens_per_sec(self) -> float:
@@ -77,7 +78,7 @@ class Output:
     return {"completions": self.texts, "token_ids": self.token_ids, "finish_reasons": self.finish_reasons,
             "prefill_tokens_per_sec": self.prefill_tokens_per_sec, "decode_tokens_per_sec": self.decode_tokens_per_sec,
             "prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,
-            "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+            "prefill_s": self.prefill_s, "decode_s": self.decode_s, "prompt_ids": self.prompt_ids}
 
 
 def sample(logits_BV, key, sampling: Sampling, num_ids: int | None = None):
@@ -399,7 +400,8 @@ class Generator:
     if max_new_tokens <= 0:
       raise UserError(f"--max-new-tokens {max_new_tokens} must be at least 1")
     if not len(prompts):
-      raise UserError("no prompt given; pass --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3")
+      raise UserError("no prompt given; pass --prompt TEXT, --prompt-file FILE, --prompt-ids 1,2,3 or --messages "
+                      "CHAT.json")
     ids = self.encode(prompts)
     lengths = np.asarray([len(x) for x in ids])
     if self.max_len is not None:
@@ -460,5 +462,5 @@ class Generator:
       texts.append(self.tokenizer.decode(row))
       reasons.append(reason)
     return Output(texts, token_ids, reasons, int(lengths.sum()), t1 - t0, t2 - t1,
-                  sum(max(len(r) - 1, 0) for r in token_ids))
+                  sum(max(len(r) - 1, 0) for r in token_ids), [x.tolist() for x in ids])
 

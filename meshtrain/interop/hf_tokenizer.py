@@ -1,6 +1,7 @@
 """Tokenizer files between a Hugging Face model directory and a meshtrain workdir: which files travel, the record a
 converted checkpoint keeps of them, and a run's tokenizer written as the files transformers' AutoTokenizer reads
 (meshtrain's byte tokenizer as an equivalent tokenizer.json, a SentencePiece model with its tokenizer_config.json).
+The chat template travels both ways (chat_template.jinja, or tokenizer_config.json's chat_template).
 
 meshtrain.data.tokenizer (which imports JAX) is imported inside the functions that use it: `python -m
 meshtrain.convert` refuses a bad argument before loading it.
@@ -13,11 +14,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from meshtrain.errors import UserError
 
-# Byte tokenizer specials as Hugging Face names them in the tokenizer.json to-hf writes (ids from meshtrain's
-# byte tokenizer: pad 256, eos 257, bos 258).
-BYTE_SPECIALS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "added_tokens.json")
+                   "added_tokens.json", "chat_template.jinja")
 
 
 def tokenizer_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -55,8 +53,9 @@ def byte_tokenizer_json() -> str:
   tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tok.decoder = decoders.ByteLevel()
-  specials = [(byte.PAD_ID, BYTE_SPECIALS["pad_token"]), (byte.EOS_ID, BYTE_SPECIALS["eos_token"]),
-              (byte.BOS_ID, BYTE_SPECIALS["bos_token"])]  # added in id order: each gets the next id
+  # The specials as Hugging Face names them (pad 256, eos 257, bos 258), added in id order: each gets the next id.
+  names = byte.BYTE_SPECIAL_TOKENS
+  specials = [(byte.PAD_ID, names["pad_token"]), (byte.EOS_ID, names["eos_token"]), (byte.BOS_ID, names["bos_token"])]
   for expected_id, text in sorted(specials):
     tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
     assert tok.token_to_id(text) == expected_id, (text, tok.token_to_id(text))
@@ -81,11 +80,12 @@ def write_tokenizer(directory: pathlib.Path, tok, workdir: pathlib.Path, seq_len
   config.json."""
   from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: see the module docstring
   if tok.kind == tokenizer_lib.BYTE:
+    specials = tokenizer_lib.BYTE_SPECIAL_TOKENS
     (directory / "tokenizer.json").write_text(byte_tokenizer_json())
     (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", **BYTE_SPECIALS, "model_max_length": seq_len,
-         "clean_up_tokenization_spaces": False}, indent=2))
-    (directory / "special_tokens_map.json").write_text(json.dumps(BYTE_SPECIALS, indent=2))
+        {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "model_max_length": seq_len,
+         "clean_up_tokenization_spaces": False, **byte_chat_template(workdir)}, indent=2))
+    (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
   else:
     tokenizer_lib.write_files(tok, directory)
     if (workdir / "tokenizer" / "tokenizer_config.json").is_file():  # the model's own (an imported model's)
@@ -93,6 +93,16 @@ def write_tokenizer(directory: pathlib.Path, tok, workdir: pathlib.Path, seq_len
     elif tok.kind == "sentencepiece":
       (directory / "tokenizer_config.json").write_text(json.dumps(sentencepiece_config(tok, seq_len), indent=2))
   return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+
+
+def byte_chat_template(workdir: pathlib.Path) -> dict:
+  """{"chat_template": ...} for the tokenizer_config.json of a byte run whose WORKDIR/tokenizer/ holds a chat
+  template (a byte run has no tokenizer files there, but may be given a chat_template.jinja); {} without one."""
+  from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: see the module docstring
+  template = tokenizer_lib.chat_template(workdir / tokenizer_lib.WORKDIR_SUBDIR)
+  if isinstance(template, dict):
+    template = [{"name": name, "template": text} for name, text in template.items()]
+  return {"chat_template": template} if template else {}
 
 
 def sentencepiece_config(tok, seq_len: int) -> dict:

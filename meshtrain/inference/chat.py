@@ -1,0 +1,270 @@
+"""Chat templates: a conversation rendered and encoded as transformers' `apply_chat_template` renders and encodes it.
+
+  convo = read_conversation("chat.json")           # [{"role", "content"}, ...] or {"messages": [...], "tools": [...]}
+  chat = ChatTemplate.for_workdir("runs/qwen")     # the run's template (WORKDIR/tokenizer/), its special tokens
+  text = chat.render(convo.messages, tools=convo.tools, add_generation_prompt=True)
+  ids = chat.encode(text)                          # special-token strings as their ids, nothing added
+
+Where the template comes from (transformers' rules, checked against transformers in tests/test_chat.py):
+`chat_template.jinja` in the tokenizer directory wins over `tokenizer_config.json`'s `chat_template`; that may be
+a string or a list of {"name", "template"}, of which "default" is used ("tool_use" when tools are given and it
+exists). It is rendered by Jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the
+loopcontrols extension and the `{% generation %}` tag, the `tojson` filter that does not escape HTML,
+`raise_exception`, `strftime_now`, and the variables `messages`, `tools`, `documents`, `add_generation_prompt` and
+the tokenizer's special tokens (`bos_token`, `eos_token`, ... as tokenizer_config.json and special_tokens_map.json
+name them; a directory with neither gets those to-hf writes for it). The rendered text is encoded without adding
+anything (the template writes BOS where the model wants one), special-token strings becoming their ids unless
+tokenizer_config.json says split_special_tokens.
+
+Nothing here imports JAX or jinja2 at import time: `python -m meshtrain.generate` checks a --messages file before
+the runtime starts, and jinja2 is imported when a template is compiled.
+"""
+import dataclasses
+import datetime
+import functools
+import json
+import pathlib
+
+from meshtrain.errors import UserError
+
+# The names transformers always passes as template variables when the tokenizer has them (its
+# SPECIAL_TOKENS_ATTRIBUTES); any other `*_token` key of tokenizer_config.json is passed too.
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' aliases of a message's reasoning: the first present fills `reasoning_content` and `thinking`.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+HOW_TO_GIVE_ONE = ("put the template into {dir}/chat_template.jinja (Jinja, as transformers' chat templates), or "
+                   "convert a model whose tokenizer_config.json has a chat_template (python -m meshtrain.convert "
+                   "from-hf), or train with data.tokenizer pointing at a tokenizer directory that has one")
+
+
+@dataclasses.dataclass
+class Conversation:
+  """One --messages file: its messages (dicts with "role" and "content", other keys kept) and tools (or None)."""
+  messages: list[dict]
+  tools: list[dict] | None = None
+
+
+def read_conversation(path: str | pathlib.Path) -> Conversation:
+  """The conversation in the JSON file `path`: a list of {"role", "content"} messages, or an object
+  {"messages": [...], "tools": [...]} (tools: JSON schemas of functions, as transformers takes them). UserError
+  naming the file and the entry for anything else."""
+  where = f"--messages {path}"
+  try:
+    data = json.loads(pathlib.Path(path).expanduser().read_text(encoding="utf-8"))
+  except OSError as e:
+    raise UserError(f"{where}: {e.strerror or e}") from e
+  except (ValueError, UnicodeDecodeError) as e:
+    raise UserError(f"{where} is not valid JSON ({e}); write a list of {{\"role\": ..., \"content\": ...}} "
+                    "messages") from e
+  tools = None
+  if isinstance(data, dict):
+    if "messages" not in data or set(data) - {"messages", "tools"}:
+      raise UserError(f"{where}: an object must have \"messages\" (and optionally \"tools\") and nothing else, "
+                      f"not {sorted(data)}")
+    data, tools = data["messages"], data.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+      raise UserError(f"{where}: \"tools\" must be a list of objects (JSON schemas of functions)")
+  if not isinstance(data, list):
+    raise UserError(f"{where} must hold a JSON list of {{\"role\": ..., \"content\": ...}} messages, not "
+                    f"{type(data).__name__}")
+  if not data:
+    raise UserError(f"{where} holds no messages")
+  messages = []
+  for i, message in enumerate(data):
+    if not isinstance(message, dict):
+      raise UserError(f"{where}: message {i} is {type(message).__name__}, not an object with \"role\" and "
+                      "\"content\"")
+    message = {k: v for k, v in message.items() if v is not None}  # as transformers: a null key is absent
+    if not isinstance(message.get("role"), str):
+      raise UserError(f"{where}: message {i} has no \"role\" string (e.g. \"user\")")
+    content = message.get("content")
+    if not (isinstance(content, str) or (content is None and "tool_calls" in message)):
+      got = "no \"content\"" if content is None else f"\"content\" of type {type(content).__name__}"
+      raise UserError(f"{where}: message {i} has {got}; it must be a string (only an assistant message with "
+                      "\"tool_calls\" may have none)")
+    messages.append(message)
+  return Conversation(messages, tools)
+
+
+def with_reasoning_aliases(message: dict) -> dict:
+  """transformers' aliasing of a message's reasoning: its first of REASONING_FIELDS also as `reasoning_content`
+  (overriding) and `thinking` (unless set)."""
+  reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+  if reasoning is None:
+    return message
+  return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def special_token_strings(directory: pathlib.Path) -> tuple[dict[str, str], bool | None]:
+  """({name: token string}, split_special_tokens) as transformers reads them from `directory`'s
+  tokenizer_config.json and special_tokens_map.json (which overrides the config's names where the config lists no
+  added_tokens_decoder); ({}, None) where neither file exists."""
+  files = {}
+  for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    try:
+      files[name] = json.loads((directory / name).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+      continue
+    except (OSError, ValueError) as e:
+      raise UserError(f"cannot read {str(directory / name)!r}: {e}") from e
+  if not files:
+    return {}, None
+  config = dict(files.get("tokenizer_config.json") or {})
+  if "added_tokens_decoder" not in config:
+    config.update(files.get("special_tokens_map.json") or {})
+  extra = config.get("extra_special_tokens")
+  named = {**config, **(extra if isinstance(extra, dict) else {})}
+  out = {}
+  for key, value in named.items():
+    if isinstance(value, dict):  # an AddedToken: {"content": ..., "lstrip": ...}
+      value = value.get("content")
+    if (key in SPECIAL_TOKEN_KEYS or key.endswith("_token")) and isinstance(value, str):
+      out[key] = value
+  return out, bool(config.get("split_special_tokens", False))
+
+
+@dataclasses.dataclass
+class ChatTemplate:
+  """A tokenizer's chat template(s), its special-token variables, and how its rendered text is encoded."""
+  templates: str | dict[str, str]  # one template, or several by name (tokenizer_config.json's list form)
+  special_tokens: dict[str, str]
+  tokenizer: object  # meshtrain.data.tokenizer.Tokenizer
+  split_special_tokens: bool = False
+  source: str = ""  # where the template was read, for messages
+
+  @classmethod
+  def from_directory(cls, directory, tokenizer) -> "ChatTemplate | None":
+    """The template of the tokenizer files in `directory` (None if there is none), for `tokenizer` (theirs)."""
+    from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: after the command's checks
+    directory = pathlib.Path(directory)
+    templates = tokenizer_lib.chat_template(directory)
+    if templates is None:
+      return None
+    specials, split = special_token_strings(directory)
+    if split is None:  # no tokenizer_config.json: what to-hf writes for this tokenizer
+      specials = tokenizer.special_tokens()
+      split = tokenizer.kind == "sentencepiece"  # meshtrain's export encodes SentencePiece specials as text
+    source = directory / tokenizer_lib.CHAT_TEMPLATE_FILE
+    if not source.is_file():
+      source = directory / tokenizer_lib.CONFIG_FILE
+    return cls(templates, specials, tokenizer, split, str(source))
+
+  @classmethod
+  def for_workdir(cls, workdir) -> "ChatTemplate":
+    """The template that travels with the run in `workdir` (WORKDIR/tokenizer/), for its tokenizer; UserError
+    saying how to give one where there is none."""
+    from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: after the command's checks
+    directory = pathlib.Path(workdir) / tokenizer_lib.WORKDIR_SUBDIR
+    chat = cls.from_directory(directory, tokenizer_lib.from_workdir(workdir))
+    if chat is None:
+      raise UserError(f"{workdir} has no chat template (neither {directory}/chat_template.jinja nor a chat_template "
+                      f"in its tokenizer_config.json), so --messages cannot be rendered; "
+                      + HOW_TO_GIVE_ONE.format(dir=directory))
+    return chat
+
+  def template(self, tools=None) -> str:
+    """The template used: the one, or of several the "tool_use" one when tools are given, else "default"."""
+    if isinstance(self.templates, str):
+      return self.templates
+    if tools is not None and "tool_use" in self.templates:
+      return self.templates["tool_use"]
+    if "default" in self.templates:
+      return self.templates["default"]
+    raise UserError(f"{self.source} has several chat templates ({', '.join(sorted(self.templates))}) and none named "
+                    "default; name one of them default")
+
+  def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             **variables) -> str:
+    """The conversation as text, as transformers renders it; UserError for a template that raises (its
+    raise_exception message) or does not compile."""
+    import jinja2  # only where a template is rendered
+    messages = [with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
+    try:
+      return compile_template(self.template(tools)).render(
+          messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+          **{**self.special_tokens, **variables})
+    except jinja2.TemplateError as e:
+      raise UserError(f"the chat template ({self.source}) refused the conversation: "
+                      f"{type(e).__name__ + ': ' if type(e) is not jinja2.TemplateError else ''}{e}") from e
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of rendered text, as transformers' apply_chat_template(tokenize=True): nothing added, special-token
+    strings as their ids (as text with split_special_tokens)."""
+    if self.split_special_tokens:
+      return self.tokenizer.encode(text).tolist()
+    return self.tokenizer.encode_with_specials(text).tolist()
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str):
+  """`source` compiled in the environment transformers renders chat templates in (see the module docstring)."""
+  import jinja2  # only where a template is compiled
+  import jinja2.ext
+  import jinja2.sandbox
+
+  class GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (marks the assistant's tokens in transformers' masks): its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+      return caller()
+
+  class Namespace(jinja2.utils.Namespace):
+    """namespace() refusing underscore attributes, as transformers' sandbox does."""
+
+    def __init__(*args, **kwargs):  # pylint: disable=no-method-argument  # Jinja's own signature trick
+      self, attrs = args[0], dict(*args[1:], **kwargs)
+      for name in attrs:
+        Namespace.check(name)
+      jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+      Namespace.check(name)
+      jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def check(name):
+      if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+  class Dict:
+    """dict() and dict.fromkeys() without the dict type itself."""
+
+    def __call__(self, *args, **kwargs):
+      return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+      return dict.fromkeys(*args, **kwargs)
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                     extensions=[GenerationTag, jinja2.ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.datetime.now().strftime(f),
+                     dict=Dict(), namespace=Namespace)
+  return env.from_string(source)
+
+
+def conversation_prompts(workdir, paths: list[str], add_generation_prompt: bool = True) -> list[list[int]]:
+  """Token ids of each --messages file's conversation rendered by the run's chat template: the prompts of
+  `python -m meshtrain.generate --messages`. The files are read and checked before the template is looked for."""
+  conversations = [read_conversation(p) for p in paths]
+  chat = ChatTemplate.for_workdir(workdir)
+  prompts = []
+  for path, convo in zip(paths, conversations):
+    try:
+      text = chat.render(convo.messages, tools=convo.tools, add_generation_prompt=add_generation_prompt)
+    except UserError as e:
+      raise UserError(f"--messages {path}: {e}") from e
+    prompts.append(chat.encode(text))
+  return prompts
