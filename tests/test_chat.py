@@ -232,6 +232,36 @@ def test_special_token_variables_as_transformers_reads_them(dirs, tmp_path):
   assert assert_same(directory, hi, True)[0] == "<s>|<s>|<unk>|</s>|<unk>|<s>"
 
 
+FEATURES_TEMPLATE = """
+{%- set ns = namespace(n=0) -%}
+{%- for m in messages -%}
+  {%- if loop.index > 3 %}{% break %}{% endif -%}
+  {%- if m.role == 'skip' %}{% continue %}{% endif -%}
+  {%- set ns.n = ns.n + 1 %}
+  {% generation %}{{ m.role }}:{{ m.content }}|{{ m.thinking }}|{{ m.reasoning_content }}{% endgeneration %}
+{% endfor %}
+{{ ns.n }}|{{ dict(a=1, b='<&>') | tojson }}|{{ {'k': 'ü'} | tojson(indent=2) }}|{{ strftime_now('%Y') }}
+{%- if add_generation_prompt %}>{% endif %}"""
+
+
+def test_template_features_as_transformers(dirs, tmp_path):
+  # Whitespace control (trim_blocks, lstrip_blocks), loop controls, namespace, dict(), the tojson filter, the
+  # {% generation %} tag, strftime_now, and the reasoning aliases of a message.
+  directory = tmp_path / "features"
+  shutil.copytree(dirs["mistral"], directory)
+  (directory / "chat_template.jinja").write_text(FEATURES_TEMPLATE)
+  messages = [{"role": "user", "content": "a", "reasoning": "r1"}, {"role": "skip", "content": "b"},
+              {"role": "assistant", "content": "c", "thinking": "t", "reasoning_content": "r2"},
+              {"role": "user", "content": "d"}]
+  text, _ = assert_same(directory, messages, True)
+  assert text.startswith('user:a|r1|r1assistant:c|t|r22|{"a": 1, "b": "<&>"}|{\n  "k": "ü"\n}|2') and text[-1] == ">"
+  (directory / "chat_template.jinja").write_text("{% set ns = namespace(_private=1) %}")
+  with pytest.raises(Exception, match="underscore"):
+    theirs(directory).apply_chat_template(messages, tokenize=False)
+  with pytest.raises(UserError, match="SecurityError: .*underscore"):
+    ours(directory).render(messages)
+
+
 def test_split_special_tokens_encodes_them_as_text(dirs, tmp_path):
   directory = tmp_path / "split"
   shutil.copytree(dirs["llama-3.2"], directory)
