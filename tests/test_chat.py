@@ -482,8 +482,8 @@ def test_generate_refusals_exit_2_before_the_runtime_starts(converted, dirs, tmp
       (workdir, ["--messages", str(bad)], f"--messages {bad}: message 0 has no \"content\""),
       (workdir, ["--messages", str(tmp_path / "none.json")], "No such file"),
       (workdir, ["--messages", str(bad), "--prompt", "x"], "not allowed with argument"),
-      (plain, ["--messages", str(alternating)], f"{plain} has no chat template .* put the template into "
-                                                f"{plain / 'tokenizer'}/chat_template.jinja"),
+      (plain, ["--messages", str(alternating)], f"{plain} has no chat template .* put one into "
+                                                f"{plain / 'tokenizer'}/chat_template.jinja .*meshtrain.convert"),
       (mistral, ["--messages", str(alternating)], f"--messages {alternating}: the chat template "
                                                   ".*chat_template.jinja.* refused the conversation: Conversation "
                                                   "roles must alternate"),

@@ -32,9 +32,8 @@ from meshtrain.errors import UserError
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' aliases of a message's reasoning: the first present fills `reasoning_content` and `thinking`.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-HOW_TO_GIVE_ONE = ("put the template into {dir}/chat_template.jinja (Jinja, as transformers' chat templates), or "
-                   "convert a model whose tokenizer_config.json has a chat_template (python -m meshtrain.convert "
-                   "from-hf), or train with data.tokenizer pointing at a tokenizer directory that has one")
+HOW_TO_GIVE_ONE = ("put one into {dir}/chat_template.jinja (a Jinja chat template, as transformers'), or convert a "
+                   "model that has one (python -m meshtrain.convert from-hf)")
 
 
 @dataclasses.dataclass
@@ -157,9 +156,8 @@ class ChatTemplate:
     directory = pathlib.Path(workdir) / tokenizer_lib.WORKDIR_SUBDIR
     chat = cls.from_directory(directory, tokenizer_lib.from_workdir(workdir))
     if chat is None:
-      raise UserError(f"{workdir} has no chat template (neither {directory}/chat_template.jinja nor a chat_template "
-                      f"in its tokenizer_config.json), so --messages cannot be rendered; "
-                      + HOW_TO_GIVE_ONE.format(dir=directory))
+      raise UserError(f"{workdir} has no chat template to render --messages with (no tokenizer/chat_template.jinja, "
+                      "no chat_template in tokenizer/tokenizer_config.json); " + HOW_TO_GIVE_ONE.format(dir=directory))
     return chat
 
   def template(self, tools=None) -> str:
