@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import importlib.util
 import inspect
+import json
 import math
 import os
 import pathlib
@@ -218,10 +219,41 @@ def load(path: str, overrides: list[str]) -> ml_collections.ConfigDict:
   overridden = set()
   for item in overrides:
     overridden.add(apply_override(cfg, item))
+  if cfg.task == "lm" and cfg.model.get("preset") == INIT_FROM_PRESET:
+    adopt_init_from_model(cfg, overridden)
   validate(cfg)
   _check_step_fields(cfg, overridden)
   cfg.lock()
   return cfg
+
+
+INIT_FROM_PRESET = "init_from"  # model.preset: the model (and tokenizer) of the checkpoint init_from names
+
+
+def adopt_init_from_model(cfg: ml_collections.ConfigDict, overridden: set[str]) -> None:
+  """model.preset="init_from": the model fields (and data.tokenizer) become those of the run or converted model
+  init_from names, read from its WORKDIR/config.json, so one fine-tuning config serves any converted model. Fields
+  given on the command line (--config.model.dtype=bfloat16, say) keep their value; init_from's checkpoint is still
+  checked against the result when the run starts (meshtrain/checkpoint/init_from.py)."""
+  if not cfg.init_from:
+    raise UserError(f"model.preset={INIT_FROM_PRESET!r} takes the model of init_from, which is empty; pass "
+                    "--config.init_from=WORKDIR (a training run, or a model python -m meshtrain.convert from-hf wrote)")
+  workdir = pathlib.Path(cfg.init_from).expanduser()
+  if workdir.parent.name == "checkpoints" and workdir.name.isdigit():  # WORKDIR/checkpoints/N
+    workdir = workdir.parent.parent
+  try:
+    source = json.loads((workdir / "config.json").read_text())
+    model = source["model"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"model.preset={INIT_FROM_PRESET!r}: cannot read the model of init_from={cfg.init_from!r} from "
+                    f"{str(workdir / 'config.json')!r} ({type(e).__name__}: {e}); point init_from at a training run "
+                    "or a converted model's workdir") from None
+  for key, value in model.items():
+    if key in cfg.model and f"model.{key}" not in overridden and key != "preset":
+      cfg.model[key] = value
+  tokenizer = (source.get("data") or {}).get("tokenizer")
+  if tokenizer and "data.tokenizer" not in overridden:
+    cfg.data.tokenizer = tokenizer
 
 
 def _one_line(text: str, limit: int = 400) -> str:

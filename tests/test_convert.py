@@ -343,20 +343,27 @@ def valid_hf(tmp_path_factory):
   return make_hf(tmp_path_factory.mktemp("valid") / "hf")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}),
-    ("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"), ("model_type", "mistral"),
-    ("architectures", ["MistralForCausalLM"]),
+@pytest.mark.parametrize("field, value, needle", [
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 8.0}, "dynamic"),
+    ("rope_scaling", {"type": "longrope", "factor": 2.0}, "longrope"),
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "low_freq_factor": 1}, "low_freq"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "truncate": False}, "truncate"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+    ("attention_bias", True, "attention_bias"), ("mlp_bias", True, "mlp_bias"), ("hidden_act", "gelu", "hidden_act"),
+    ("model_type", "gemma2", "gemma2"), ("architectures", ["MistralForCausalLM"], "MistralForCausalLM"),
 ])
-def test_unsupported_field_is_refused(valid_hf, tmp_path, capsys, field, value):
+def test_unsupported_field_is_refused(valid_hf, tmp_path, capsys, field, value, needle):
+  """Named, with what converts instead (the families, or the supported value)."""
   hf = tmp_path / "hf"
   shutil.copytree(valid_hf, hf)
   config = json.loads((hf / "config.json").read_text())
   config[field] = value
   (hf / "config.json").write_text(json.dumps(config))
   assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 2
-  one_line_error(capsys, field.split("_")[0] if field != "architectures" else "architectures")
+  one_line_error(capsys, needle)
+  if field in ("model_type", "architectures"):
+    assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 2
+    one_line_error(capsys, "qwen3 (Qwen3ForCausalLM)", "mixtral (MixtralForCausalLM)")
   assert not (tmp_path / "w").exists()
 
 
@@ -384,16 +391,17 @@ def test_bad_hf_directories_are_refused(valid_hf, tmp_path, capsys):
   assert not (tmp_path / "w").exists()
 
 
-def test_to_hf_refuses_what_llama_cannot_hold(tmp_path, capsys):
+def test_to_hf_refuses_what_the_family_cannot_hold(tmp_path, capsys):
   from meshtrain import config as config_lib
   cfg = config_lib.base_config()
   cfg.model.num_experts = 4
+  cfg.model.hf_model_type = "llama"  # asked for a family without experts
   ckpt = checkpoint.Checkpointer(tmp_path / "moe", keep=1)
   ckpt.save(0, {"params": {"embedding": np.zeros((4, 4), np.float32)}}, {"config": cfg.to_dict(), "params_only": True})
   ckpt.wait()
   ckpt.close()
   assert run_convert("to-hf", "--workdir", tmp_path / "moe", "--out", tmp_path / "hf") == 2
-  one_line_error(capsys, "mixture of experts")
+  one_line_error(capsys, "experts", "LlamaForCausalLM cannot hold", "model.hf_model_type")
   assert run_convert("to-hf", "--workdir", tmp_path / "nothing", "--out", tmp_path / "hf") == 2
   one_line_error(capsys, "holds no checkpoints")
   assert not (tmp_path / "hf").exists()

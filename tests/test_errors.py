@@ -52,6 +52,12 @@ CASES = {  # extra arguments: fragments the message must contain
                       ["seq_len=120 must be divisible by 16"]),
     "profile range": (["--config.profile_steps=5-2"], ["profile_steps='5-2' is not a step range", "e.g. 20-24"]),
     "unknown dataset": (["--config.data.name=no_such_dataset_xyz"], ["no_such_dataset_xyz"]),
+    "window with ring": (["--config.mesh.data=2", "--config.mesh.sequence=4", "--config.model.sliding_window=64"],
+                         ["sliding_window=64 is shorter than seq_len=128", "mesh.sequence=1"]),
+    "rope type": (["--config.model.rope_type=dynamic"], ["'model.rope_type' is 'dynamic'", "llama3, yarn"]),
+    "llama3 without length": (["--config.model.rope_type=llama3", "--config.model.rope_factor=8"],
+                              ["needs model.rope_original_max_len"]),
+    "hf family": (["--config.model.hf_model_type=gemma"], ["'model.hf_model_type' is 'gemma'", "qwen3"]),
 }
 
 

@@ -203,3 +203,22 @@ def test_scan_groups_counts_consts_and_carry_from_a_known_scan():
   assert estimate._scan_groups(eqn) == (2, 2)
   if "num_consts" in eqn.params:
     assert (eqn.params["num_consts"], eqn.params["num_carry"]) == (2, 2)
+
+
+# The published parameter counts of today's open models (their model cards and config.json): the presets have their
+# exact shapes, and the cost model counts what the model creates (biases, q/k norms, experts and router included).
+OPEN_MODELS = {"configs/llama3_2_1b.py": 1_235_814_400, "configs/llama3_1_8b.py": 8_030_261_248,
+               "configs/qwen2_5_0_5b.py": 494_032_768, "configs/qwen3_0_6b.py": 596_049_920,
+               "configs/mixtral_8x7b.py": 46_702_792_704}
+
+
+@pytest.mark.parametrize("path", OPEN_MODELS)
+def test_open_model_presets_have_the_published_parameter_counts_and_plan(path):
+  cfg = config_lib.load(path, [])
+  one = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+  assert estimate.estimate(cfg, one).params_bytes_total == 4 * OPEN_MODELS[path]  # float32 parameters
+  devices = 32 if OPEN_MODELS[path] > 5e9 else 8
+  hw = perf.GPUS["h100"]
+  rows, seen = plan_lib.rank(cfg, devices, devices // 8, hw, hw.hbm_bytes, fused_attention=True)
+  assert seen > 10 and rows  # rows: the layouts that fit, best first
+  assert rows[0].estimate.total_bytes_per_device <= hw.hbm_bytes and rows[0].mfu > 0.2

@@ -125,6 +125,36 @@ def test_experts_match_one_device():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads)
 
 
+# The open-model features (Qwen2's biases, Qwen3's q/k norms, Llama 3's rotary scaling, Mistral's sliding window
+# shorter than the sequence) on the layouts that split what they touch: heads (tensor), parameters (fsdp), the
+# sequence (tensor + sequence parallel). The sequence-split attention has no window: refused (test_tasks.py).
+OPEN_MODEL = {"model.attention_bias": True, "model.qk_norm": True, "model.rope_type": "llama3",
+              "model.rope_factor": 8.0, "model.rope_original_max_len": 16, "model.sliding_window": 24}
+OPEN_MODEL_LAYOUTS = {"fsdp=4 x tensor=2": ({"data": 1, "fsdp": 4, "tensor": 2}, "fsdp_tp", {}),
+                      "data=2 x tensor=4, sequence parallel": ({"data": 2, "tensor": 4}, "tp",
+                                                               {"sharding.sequence_parallel": True})}
+
+
+@pytest.fixture(scope="module")
+def open_model_reference():
+  return train(tiny_config({}, "dp", OPEN_MODEL), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("name", OPEN_MODEL_LAYOUTS)
+def test_open_model_features_match_one_device(name, open_model_reference, reference):
+  ref_losses, ref_grads, _ = open_model_reference
+  mesh, rules, extra = OPEN_MODEL_LAYOUTS[name]
+  losses, grads, _ = train(tiny_config(mesh, rules, {**OPEN_MODEL, **extra}), jax.devices())
+  assert ref_losses[-1] < ref_losses[0] and not np.allclose(ref_losses, reference[0], rtol=1e-3)  # another model
+  for path in (("q_bias",), ("k_norm", "scale")):  # the new parameters are in the gradient
+    g = ref_grads["layers"]["attn"]
+    for key in path:
+      g = g[key]
+    assert np.abs(g).max() > 1e-5, path
+  np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads)
+
+
 @pytest.fixture(scope="module")
 def reference_4_layers():
   return train(tiny_config({}, "dp", {"model.num_layers": 4}), jax.devices()[:1])

@@ -125,3 +125,70 @@ def test_exports_the_same_architecture_and_tensors(converted):
   for name, w in theirs.items():
     assert np.array_equal(ours[name], w), name
   assert_close(hf_logits(root / "back"), hf_logits(hf))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models meshtrain made, out to the architecture that holds their features.
+
+SCRATCH = {  # the features of a meshtrain model -> the architecture to-hf picks for it
+    "llama": ({"rope_type": "llama3", "rope_factor": 8.0, "rope_original_max_len": 16}, "LlamaForCausalLM"),
+    "qwen2": ({"attention_bias": True, "rope_type": "yarn", "rope_factor": 4.0, "rope_original_max_len": 16,
+               "tie_embeddings": True}, "Qwen2ForCausalLM"),
+    "qwen3": ({"qk_norm": True, "rope_type": "linear", "rope_factor": 2.0}, "Qwen3ForCausalLM"),
+    "mistral": ({"sliding_window": 6}, "MistralForCausalLM"),
+    "mixtral": ({"num_experts": 4, "sliding_window": 6}, "MixtralForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("name", SCRATCH)
+def test_meshtrain_model_exports_to_the_matching_architecture(name, tmp_path):
+  """Random parameters of a model with these features (every parameter drawn away from its init, so a wrong
+  mapping shows), saved as a checkpoint, exported: transformers computes the same logits."""
+  import jax
+  from meshtrain import config as config_lib
+  features, architecture = SCRATCH[name]
+  cfg = config_lib.base_config()
+  cfg.model.update(vocab_size=300, num_layers=2, d_model=48, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=80,
+                   **features)
+  model_cfg = ModelConfig.from_config(cfg.model)
+  shapes = jax.eval_shape(lambda: Transformer(model_cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: (rng.standard_normal(s.shape) * (0.5 if len(s.shape) < 3 else 0.3)
+                                   + (1.0 if len(s.shape) == 2 and s.shape[-1] == 48 else 0.0)).astype(np.float32),
+                        shapes["params"])
+  params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
+                        is_leaf=lambda x: hasattr(x, "unbox"))
+  ckpt = checkpoint.Checkpointer(tmp_path / "w", keep=1)
+  ckpt.save(0, {"params": params}, {"config": cfg.to_dict(), "params_only": True})
+  ckpt.wait()
+  ckpt.close()
+  assert run_convert("to-hf", "--workdir", tmp_path / "w", "--out", tmp_path / "hf") == 0
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
+  assert_close(logits_of(tmp_path / "w"), hf_logits(tmp_path / "hf"))
+
+
+@pytest.mark.slow
+def test_finetune_config_trains_a_converted_model_and_exports_it(tmp_path):
+  """configs/finetune_hf.py on a converted Qwen2 (its model fields and tokenizer from init_from alone), a few steps of
+  python_stdlib_sft, then to-hf: a Qwen2ForCausalLM whose logits in transformers equal the fine-tuned ones."""
+  import subprocess
+  import sys
+
+  from meshtrain.interop import hf_tokenizer
+  from test_convert import REPO
+  hf = make(tmp_path / "hf", "qwen2_tied")
+  (hf / "tokenizer.json").write_text(hf_tokenizer.byte_tokenizer_json())
+  assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 0
+  done = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", "configs/finetune_hf.py",
+                         f"--config.init_from={tmp_path / 'w'}", "--workdir", str(tmp_path / "sft"),
+                         "--config.steps=3", "--config.seq_len=64", "--config.batch_size=8", "--config.eval_every=0",
+                         "--config.checkpoint_every=3", "--config.optimizer.warmup_steps=1",
+                         "--config.optimizer.learning_rate=1e-3"], cwd=REPO, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
+  params, meta = checkpoint.load_params(tmp_path / "sft")
+  assert meta["config"]["model"]["attention_bias"] and meta["config"]["data"]["tokenizer"].endswith("tokenizer.json")
+  before = checkpoint.load_params(tmp_path / "w")[0]
+  assert not np.array_equal(params["layers"]["attn"]["q_bias"], before["layers"]["attn"]["q_bias"])  # it trained
+  assert run_convert("to-hf", "--workdir", tmp_path / "sft", "--out", tmp_path / "back") == 0
+  assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+  assert_close(logits_of(tmp_path / "sft"), hf_logits(tmp_path / "back"))

@@ -103,8 +103,9 @@ def read(hf_dir: pathlib.Path) -> dict:
 
 
 def _read_rope(hf: dict, where: str, family: str) -> dict:
-  """The rope_* model fields of transformers 5's `rope_parameters` or 4.x's `rope_scaling` + `rope_theta`."""
-  rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  """The rope_* model fields of transformers 5's `rope_parameters` or 4.x's `rope_scaling` + `rope_theta`; a
+  non-null rope_scaling wins, as in transformers 5 (convert_rope_params_to_dict)."""
+  rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
   rope_type = rope.pop("rope_type", rope.pop("type", "default"))
   theta = float(rope.pop("rope_theta", hf["rope_theta"]))
   if rope.pop("partial_rotary_factor", 1.0) != 1.0:

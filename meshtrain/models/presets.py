@@ -1,4 +1,4 @@
-"""Model shapes, from CI-sized to LLaMA-3-8B. A preset is only a starting point: every field can be overridden.
+"""Model shapes, from CI-sized to LLaMA-3-8B and Mixtral-8x7B. A preset is a starting point: any field can change.
 
 The large presets are for GPUs and for compile-only inspection on CPU; their vocabularies are those of real
 tokenizers (the byte-level corpus uses 259 ids of them).
@@ -12,12 +12,34 @@ _SHAPES = {
     "1b":       (16,     2048,    32,    8,        64,       8192,    128_256, True, 500_000.0),
     "8b":       (32,     4096,    32,    8,        128,      14_336,  128_256, False, 500_000.0),
 }
-PRESETS = tuple(_SHAPES)
+# Today's open models, as their Hugging Face config.json files describe them (python -m meshtrain.convert from-hf
+# of the published checkpoint gives these fields): the shape as above, then what differs from the defaults below.
+_OPEN_MODELS = {
+    "llama-3.2-1b": ((16, 2048, 32, 8, 64, 8192, 128_256, True, 500_000.0),
+                     dict(rope_type="llama3", rope_factor=32.0, rope_original_max_len=8192, hf_model_type="llama")),
+    "llama-3.1-8b": ((32, 4096, 32, 8, 128, 14_336, 128_256, False, 500_000.0),
+                     dict(rope_type="llama3", rope_factor=8.0, rope_original_max_len=8192, hf_model_type="llama")),
+    "qwen2.5-0.5b": ((24, 896, 14, 2, 64, 4864, 151_936, True, 1_000_000.0),
+                     dict(attention_bias=True, norm_eps=1e-6, hf_model_type="qwen2")),
+    "qwen3-0.6b": ((28, 1024, 16, 8, 128, 3072, 151_936, True, 1_000_000.0),
+                   dict(qk_norm=True, norm_eps=1e-6, hf_model_type="qwen3")),
+    "mixtral-8x7b": ((32, 4096, 32, 8, 128, 14_336, 32_000, False, 1_000_000.0),
+                     dict(num_experts=8, experts_per_token=2, aux_loss_weight=0.02, hf_model_type="mixtral")),
+}
+PRESETS = tuple(_SHAPES) + tuple(_OPEN_MODELS)
 
 
 def model_config(name: str) -> ml_collections.ConfigDict:
   """The `model` config group for preset `name`; every field is documented here."""
-  layers, d_model, heads, kv_heads, head_dim, mlp_dim, vocab, tied, theta = _SHAPES[name]
+  if name in _OPEN_MODELS:
+    shape, fields = _OPEN_MODELS[name]
+    m = _model_config(name, *shape)
+    m.update(fields)
+    return m
+  return _model_config(name, *_SHAPES[name])
+
+
+def _model_config(name, layers, d_model, heads, kv_heads, head_dim, mlp_dim, vocab, tied, theta):
   m = ml_collections.ConfigDict()
   m.preset = name                 # informational: which preset these numbers came from
   m.num_layers = layers           # decoder blocks
