@@ -184,6 +184,13 @@ def test_mistral_template_and_its_raise_exception(dirs):
     ours(dirs["mistral"]).render(bad)
   with pytest.raises(UserError, match="Only user and assistant roles are supported!"):
     ours(dirs["mistral"]).render([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}])
+  # A template that fails on a conversation (here a string plus a number) is one line too, not a traceback.
+  broken = chat.ChatTemplate("{{ messages[0].content + 1 }}", {}, tokenizer_lib.ByteTokenizer(), source="t.jinja")
+  with pytest.raises(UserError, match=r"^the chat template \(t.jinja\) failed on the conversation: TypeError"):
+    broken.render([{"role": "user", "content": "x"}])
+  with pytest.raises(UserError, match=r"^the chat template \(t.jinja\) refused the conversation: "
+                                      r"TemplateSyntaxError: "):
+    chat.ChatTemplate("{% if %}", {}, tokenizer_lib.ByteTokenizer(), source="t.jinja").render([])
 
 
 def test_chat_template_jinja_wins_over_tokenizer_config(dirs, tmp_path):

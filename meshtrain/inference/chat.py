@@ -174,7 +174,7 @@ class ChatTemplate:
   def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
              **variables) -> str:
     """The conversation as text, as transformers renders it; UserError for a template that raises (its
-    raise_exception message) or does not compile."""
+    raise_exception message), does not compile, or fails on this conversation (e.g. adds a string to a number)."""
     import jinja2  # only where a template is rendered
     messages = [with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
     try:
@@ -184,6 +184,9 @@ class ChatTemplate:
     except jinja2.TemplateError as e:
       raise UserError(f"the chat template ({self.source}) refused the conversation: "
                       f"{type(e).__name__ + ': ' if type(e) is not jinja2.TemplateError else ''}{e}") from e
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
+      raise UserError(f"the chat template ({self.source}) failed on the conversation: {type(e).__name__}: "
+                      f"{e}") from e
 
   def encode(self, text: str) -> list[int]:
     """Token ids of rendered text, as transformers' apply_chat_template(tokenize=True): nothing added, special-token
