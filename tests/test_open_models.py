@@ -127,6 +127,37 @@ def test_exports_the_same_architecture_and_tensors(converted):
   assert_close(hf_logits(root / "back"), hf_logits(hf))
 
 
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_tied"])
+def test_bfloat16_sharded_round_trip_is_exact(variant, tmp_path, monkeypatch):
+  """bfloat16 weights in several safetensors shards (save_pretrained's index) in, several shards out: every tensor
+  bit-equal and still bfloat16."""
+  from meshtrain.interop import weights
+  from safetensors import safe_open
+  config_class, fields = VARIANTS[variant]
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config_class(**{**SHAPE, **fields})).to(torch.bfloat16)
+  model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+  assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+  assert run_convert("from-hf", tmp_path / "hf", "--workdir", tmp_path / "w") == 0
+  assert checkpoint.load_params(tmp_path / "w")[1]["config"]["model"]["param_dtype"] == "bfloat16"
+  monkeypatch.setattr(weights, "SHARD_BYTES", 40_000)
+  assert run_convert("to-hf", "--workdir", tmp_path / "w", "--out", tmp_path / "back") == 0
+
+  def tensors(d):
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for name, file in index.items():
+      with safe_open(str(d / file), "pt") as f:
+        out[name] = f.get_tensor(name)
+    return out
+  theirs, ours = tensors(tmp_path / "hf"), tensors(tmp_path / "back")
+  index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())["weight_map"]
+  assert len(set(index.values())) > 1
+  assert sorted(theirs) == sorted(ours)
+  for name, w in theirs.items():
+    assert ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], w), name
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Models meshtrain made, out to the architecture that holds their features.
 

@@ -1,6 +1,7 @@
 """Other systems' formats in and out.
 
-  hf.py            Hugging Face Llama checkpoints: config mapping, tensor names and layouts, from_hf and to_hf
+  hf_config.py     the families that convert (llama, mistral, qwen2, qwen3, mixtral): config.json <-> model fields
+  hf.py            Hugging Face checkpoints: tensor names and layouts, from_hf and to_hf
   weights.py       safetensors read and written one tensor at a time, a parameter tree saved without a second copy
   hf_tokenizer.py  tokenizer files: which travel, a run's tokenizer as the files AutoTokenizer reads
 """
