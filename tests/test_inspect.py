@@ -22,7 +22,10 @@ def compiled(path, *overrides):
     # The 1B preset at a short sequence and small batch: parameter shapes do not depend on either.
     ("configs/llama1b.py", ["--config.mesh.tensor=1", "--config.sharding.rules=fsdp", "--config.batch_size=8",
                             "--config.seq_len=128", "--config.model.remat=full"]),
-], ids=["tiny", "1b"])
+    # Qwen3-0.6B: q/k norms, tied embeddings, head_dim 128 != d_model / heads.
+    ("configs/qwen3_0_6b.py", ["--config.batch_size=8", "--config.seq_len=128", "--config.model.remat=full",
+                               "--config.optimizer.grad_accum_steps=1"]),
+], ids=["tiny", "1b", "qwen3-0.6b"])
 def test_fsdp_over_8_holds_an_eighth_of_parameters_and_optimizer_state(path, overrides):
   r = compiled(path, "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.sharding.rules=fsdp", *overrides)
   assert r.mesh == {"fsdp": 8}
