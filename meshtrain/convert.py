@@ -10,10 +10,12 @@ tokenizer, loadable by transformers' AutoModelForCausalLM and AutoTokenizer. Bot
 free memory converts) and leave nothing behind when they fail: meshtrain/interop/hf.py, which does the work.
 
 Exit codes: 0 done, 2 a user mistake (a family or field that does not convert, weights that do not match their
-config.json, an output that exists, a model the other format cannot hold), one `error:` line.
+config.json, an output that exists, a model the other format cannot hold), one `error:` line; 130 interrupted
+(Ctrl-C, acted on between tensors: the output is removed, nothing is left behind).
 """
 import sys
 
+from meshtrain import errors
 from meshtrain.errors import ArgumentParser, UserError
 from meshtrain.interop import hf
 
@@ -32,19 +34,33 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--out", required=True, help="new (or empty) directory for the Hugging Face files")
   try:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command == "from-hf":
-      target = hf.from_hf(args.hf_dir, args.workdir)
-      print(f"converted {args.hf_dir} -> {target} (step 0, parameters only); generate with "
-            f"python -m meshtrain.generate --workdir {target}, fine-tune with --config.init_from={target}")
-    else:
-      target, notes = hf.to_hf(args.workdir, args.step, args.out)
-      for note in notes:
-        print(f"note: {note}")
-      print(f"exported {args.workdir} -> {target}; load with transformers.AutoModelForCausalLM.from_pretrained"
-            f"({str(target)!r}) and AutoTokenizer.from_pretrained")
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  try:
+    with hf.Interrupts.deferred():
+      return convert(args)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    errors.silence_stderr()  # the one line stays the only one (Orbax's threads may still print while ending)
+    return 2
+  except KeyboardInterrupt:
+    print(f"interrupted: nothing was written ({args.workdir if args.command == 'from-hf' else args.out} was left as "
+          "it was)", file=sys.stderr)
+    return 130
+
+
+def convert(args) -> int:
+  if args.command == "from-hf":
+    target = hf.from_hf(args.hf_dir, args.workdir)
+    print(f"converted {args.hf_dir} -> {target} (step 0, parameters only); generate with "
+          f"python -m meshtrain.generate --workdir {target}, fine-tune with --config.init_from={target}")
+  else:
+    target, notes = hf.to_hf(args.workdir, args.step, args.out)
+    for note in notes:
+      print(f"note: {note}")
+    print(f"exported {args.workdir} -> {target}; load with transformers.AutoModelForCausalLM.from_pretrained"
+          f"({str(target)!r}) and AutoTokenizer.from_pretrained")
   return 0
 
 

@@ -4,6 +4,8 @@ Entry points turn it into a one-paragraph message and exit code 2, with no trace
 escapes is a bug in meshtrain and is allowed to traceback.
 """
 import argparse
+import os
+import sys
 
 
 class UserError(Exception):
@@ -24,3 +26,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
   def error(self, message):
     raise UserError(f"{message}; see {self.prog} --help")
+
+
+def silence_stderr() -> None:
+  """After a command's one error line, while the process ends: what background threads still print (Orbax's event
+  loops and TensorStore's, torn down mid-read by the failure: "Event loop is closed" tracebacks) goes nowhere, so
+  the error stays the one line. Only for exits whose message is already out."""
+  sys.stderr.flush()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.close(devnull)

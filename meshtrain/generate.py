@@ -99,10 +99,10 @@ def read_prompts(args) -> list:
     return prompts
   prompts = []
   for text in args.prompt_ids:
-    try:
-      prompts.append([int(x) for x in text.replace(" ", "").split(",") if x])
-    except ValueError as e:
-      raise UserError(f"--prompt-ids {text!r} must be comma-separated integers, e.g. 1,2,3") from e
+    parts = text.replace(" ", "").split(",") if text.strip() else []  # "": an empty prompt
+    if not all(x.isdigit() and x.isascii() for x in parts):  # "1,,2", "1,-2", "1;2": refused, not guessed at
+      raise UserError(f"--prompt-ids {text!r} must be comma-separated non-negative integers, e.g. 1,2,3")
+    prompts.append([int(x) for x in parts])
   return prompts
 
 

@@ -86,6 +86,7 @@ def parse_args(argv: list[str]):
                   else list(range(num_classes)))
   for name in ("per_class", "steps", "guidance", "seed"):  # the run's own sample settings unless given
     setattr(args, name, getattr(args, name) if getattr(args, name) is not None else cfg.sample[name])
+  dit_sampler.check_request(cfg, len(args.classes) * args.per_class, args.steps)
   return args, cfg, workdir, step
 
 

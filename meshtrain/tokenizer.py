@@ -25,6 +25,9 @@ def train(cfg, vocab_size: int, out: str) -> dict:
   if vocab_size < 256 + len(tokenizer.BPE_SPECIALS):
     raise UserError(f"--vocab-size {vocab_size} is too small: the 256 byte tokens and {len(tokenizer.BPE_SPECIALS)} "
                     f"specials come first; pass at least {256 + len(tokenizer.BPE_SPECIALS)}, e.g. 4096")
+  if vocab_size > tokenizer.MAX_BPE_VOCAB:
+    raise UserError(f"--vocab-size {vocab_size:,} is more than the {tokenizer.MAX_BPE_VOCAB:,} ids meshtrain trains "
+                    "(today's largest vocabularies have about 262,000); pass e.g. 4096 or 32000")
   if cfg.data.name == sources.SYNTHETIC:
     raise UserError("data.name=synthetic has no text to train a tokenizer on; use a config with a TFDS dataset "
                     "(python_stdlib is built locally)")
@@ -45,11 +48,18 @@ def train(cfg, vocab_size: int, out: str) -> dict:
 def show(cfg, text: str) -> dict:
   from meshtrain.data import select  # pylint: disable=g-import-not-at-top
   tok = select.tokenizer_for_config(cfg)
-  ids = tok.encode(text)
+  raw = text.encode("utf-8", "surrogateescape")  # argv bytes that are not UTF-8 arrive as surrogates
+  try:
+    raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    if tok.kind != "byte":  # text tokenizers take Unicode text; bytes of no encoding have no pieces there
+      raise UserError(f"--text is not valid UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); the {tok.kind} "
+                      "tokenizer encodes Unicode text: pass UTF-8") from None
+  ids = tok.encode(raw)
   return {"kind": tok.kind, "path": str(tok.path) if tok.path else None, "vocab_size": tok.vocab_size,
           "pad_id": tok.pad_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id, "fingerprint": tok.fingerprint,
-          "text": text, "ids": ids.tolist(), "pieces": [tok.decode([i]) for i in ids],
-          "bytes_per_token": round(len(text.encode()) / max(len(ids), 1), 2)}
+          "text": raw.decode("utf-8", "backslashreplace"), "ids": ids.tolist(),
+          "pieces": [tok.decode([i]) for i in ids], "bytes_per_token": round(len(raw) / max(len(ids), 1), 2)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -288,7 +288,7 @@ def test_processes_given_different_prompts_all_exit_2(workdir):
     (["--prompt", "x", "--top-k", "-1"], "--top-k -1 must be 0"),
     (["--prompt", "x", "--step", "9"], "--step 9: .* has checkpoints at steps 4"),
     (["--prompt", "x" * 64, "--config.cpu_devices=8"], "prompt 0 is 64 tokens, but the model's context"),
-    (["--prompt-ids", "1,x"], "--prompt-ids '1,x' must be comma-separated integers"),
+    (["--prompt-ids", "1,x"], "--prompt-ids '1,x' must be comma-separated non-negative integers"),
     (["--prompt", "x", "--config.model.num_layers=3"], "cannot be set for generation"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(workdir, capsys, args, message):

@@ -105,7 +105,7 @@ def test_sentencepiece_round_trip(sp_model):
     (lambda d: (d / "bad.json").write_text("{not json") and d / "bad.json", "not a readable Hugging Face"),
     (lambda d: (d / "bad.model").write_bytes(b"\x00garbage") and d / "bad.model", "not a readable SentencePiece"),
     (lambda d: d, "holds no tokenizer.json or tokenizer.model"),
-    (lambda d: "bpe:12", "bpe:N with N >= 259"),
+    (lambda d: "bpe:12", "bpe:N with 259 <= N <= 1,048,576"),
 ])
 def test_bad_tokenizer_is_one_line(tmp_path, make, message):
   spec = make(tmp_path)

@@ -11,6 +11,8 @@
 `resume` and `init_from` import the train step and the data layer: the train loop imports them itself.
 """
 from meshtrain.checkpoint.checkpointer import REQUIRED, Checkpointer
-from meshtrain.checkpoint.reader import checkpoint_steps, load_params, param_reader, run_meta, task_of
+from meshtrain.checkpoint.reader import (RETRIES, StepVanished, checkpoint_steps, load_params, param_reader,
+                                         run_meta, task_of)
 
-__all__ = ["Checkpointer", "REQUIRED", "checkpoint_steps", "load_params", "param_reader", "run_meta", "task_of"]
+__all__ = ["Checkpointer", "REQUIRED", "RETRIES", "StepVanished", "checkpoint_steps", "load_params", "param_reader",
+           "run_meta", "task_of"]

@@ -63,6 +63,9 @@ def resolve(cfg) -> Source:
                     f"{', '.join(map(str, steps))}")
   step = steps[-1] if step is None else step
   source = Source(path, step, _read_meta(path, step))
+  if (task := reader.task_of(source.meta)) != cfg.task:
+    raise UserError(f"init_from={spec!r} is a task={task} model and this run is task={cfg.task}: its parameters "
+                    f"cannot start this model; point init_from at a task={cfg.task} run")
   check_model(source, cfg)
   return source
 

@@ -25,15 +25,16 @@ class BackgroundOutput:
   created only when something is written. The main thread's waits for a save use `stderr_to` on the same file.
   """
 
-  def __init__(self, directory: pathlib.Path):
+  def __init__(self, directory: pathlib.Path, kind: str = "save"):
     self.directory = directory
+    self.kind = kind  # "save": the trainer's; "read": a reader's, after a failed read (meshtrain/checkpoint/reader.py)
     self.step = None
     self._lock = threading.Lock()
     self._files = {}
     self._router = self._filter = None
 
   def log_path(self, step) -> pathlib.Path:
-    return self.directory / f"save-step{step}-process{jax.process_index()}.log"
+    return self.directory / f"{self.kind}-step{step}-process{jax.process_index()}.log"
 
   @staticmethod
   def foreign() -> bool:
@@ -50,10 +51,12 @@ class BackgroundOutput:
       self._files[step].flush()
     return len(text)
 
-  def install(self) -> None:
+  def install(self, own_terminal: bool = True) -> None:
+    """own_terminal=False: the main thread writes through the sys.stderr it replaced (wherever descriptor 2 points
+    at the time, a `stderr_to` log included), not through a duplicate of the terminal taken now."""
     if self._router is not None:
       return
-    self._router = _StderrRouter(sys.stderr, self)
+    self._router = _StderrRouter(sys.stderr, self, own_terminal)
     sys.stderr = self._router
     self._filter = _ForeignRecords(self)
     logging.getLogger("absl").addFilter(self._filter)
@@ -78,8 +81,10 @@ class _StderrRouter:
   """Stands in for sys.stderr: other threads' writes go to the log, the rest to a duplicate of the terminal's
   descriptor (so the watchdog's message still reaches the terminal while fd 2 is sent to a log)."""
 
-  def __init__(self, stderr, sink: BackgroundOutput):
+  def __init__(self, stderr, sink: BackgroundOutput, own_terminal: bool = True):
     self.terminal, self._sink, self._own = stderr, sink, None
+    if not own_terminal:
+      return
     try:
       stderr.flush()
       self._own = os.fdopen(os.dup(stderr.fileno()), "w", buffering=1, encoding=stderr.encoding,

@@ -1,7 +1,15 @@
 """Reading checkpoints without resuming them: their steps, a run's meta item (plain JSON), and the parameters
-alone (host arrays or any mesh), all at once (`load_params`) or one at a time (`param_reader`)."""
+alone (host arrays or any mesh), all at once (`load_params`) or one at a time (`param_reader`).
+
+Readers (generate, sample, convert to-hf, init_from) may read a run that is still training: they never write into
+it (Orbax's own report of a failed read goes under the system's temporary directory, not WORKDIR/diagnostics/),
+and a step the trainer's retention (`checkpoint_keep`) deletes while it is read is `StepVanished`: load_params
+then reads the newest step again (when no step was asked for), callers of param_reader start over."""
+import contextlib
 import json
+import os
 import pathlib
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +18,7 @@ import orbax.checkpoint as ocp
 
 from meshtrain.checkpoint.checkpointer import REQUIRED
 from meshtrain.checkpoint.integrity import CheckpointDamaged, restore_problem, verified_meta
-from meshtrain.checkpoint.orbax_output import quiet_absl, stderr_to
+from meshtrain.checkpoint.orbax_output import BackgroundOutput, quiet_absl, stderr_to
 from meshtrain.errors import UserError
 
 
@@ -44,6 +52,47 @@ def run_meta(workdir_arg: str, step: int | None, what: str) -> tuple[int, dict]:
   return step, meta
 
 
+class StepVanished(UserError):
+  """The step being read was deleted meanwhile (a live run's retention): read the newest one again."""
+
+  def __init__(self, step: int, workdir: pathlib.Path):
+    super().__init__(f"the checkpoint at step {step} in {workdir} was deleted while it was read (the run is still "
+                     "training and keeps only its newest checkpoints, checkpoint_keep); read it again, or pass a "
+                     "--step the run keeps")
+    self.step = step
+
+
+@contextlib.contextmanager
+def _threads_to_log(workdir: pathlib.Path, step: int):
+  """For the duration of a read, what threads other than the main one print goes to the reader's log
+  (diagnostics_log), and after a failed read for the rest of the process: Orbax's and TensorStore's threads go on
+  failing for a moment after the read raised (a callback per pending read into Orbax's closed event loop: "Event
+  loop is closed" tracebacks), while the command prints its one error line. Installed before the read, so that no
+  thread holds the terminal's stream when it starts printing; never into the run, never to the terminal."""
+  output = BackgroundOutput(diagnostics_log(workdir, "").parent, kind=f"{workdir.name}-read")
+  output.step = step
+  output.install(own_terminal=False)
+  try:
+    yield
+  except BaseException:
+    raise  # left installed: the failure's stragglers are still to come
+  else:
+    output.uninstall()
+
+
+def _gone(step_dir: pathlib.Path) -> bool:
+  """The step directory is deleted or being deleted (a required file already gone)."""
+  return not all((step_dir / name).is_file() for name in REQUIRED)
+
+
+RETRIES = 3  # newest steps tried when each is deleted while read: a run saving that often is rare
+
+
+def diagnostics_log(workdir: pathlib.Path, name: str) -> pathlib.Path:
+  """Where a reader's Orbax report goes: the system's temporary directory, never the run it reads."""
+  return pathlib.Path(tempfile.gettempdir()) / f"meshtrain-{os.getuid()}" / f"{workdir.name}-{name}"
+
+
 def task_of(meta: dict) -> str:
   """The task a checkpoint was trained for; checkpoints from before tasks existed are language models."""
   return meta.get("task", meta["config"].get("task", "lm"))
@@ -61,13 +110,20 @@ def load_params(workdir, step: int | None = None, mesh=None, shardings=None, rul
   `StandardCheckpointer().restore(.../state)` does, and fails on another one with "Topology mismatch").
   Missing checkpoints or a step that is not there: UserError.
   """
-  source = _ParamsSource(workdir, step)
-  if mesh is None and shardings is None:
-    return source.restore(source.stored), source.meta
-  if shardings is None:
-    shardings = _param_shardings(source.meta, mesh, rules, source.stored, source.workdir, source.step)
-  target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), source.stored, shardings)
-  return source.restore(target, ocp.checkpoint_utils.construct_restore_args(target)), source.meta
+  for attempt in range(RETRIES):
+    try:
+      source = _ParamsSource(workdir, step)
+      if mesh is None and shardings is None:
+        return source.restore(source.stored), source.meta
+      if shardings is None:
+        shardings = _param_shardings(source.meta, mesh, rules, source.stored, source.workdir, source.step)
+      target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), source.stored,
+                            shardings)
+      return source.restore(target, ocp.checkpoint_utils.construct_restore_args(target)), source.meta
+    except StepVanished:
+      if step is not None or attempt == RETRIES - 1:
+        raise
+  raise AssertionError("unreachable")
 
 
 def param_reader(workdir, step: int | None = None):
@@ -112,14 +168,30 @@ class _ParamsSource:
       meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
       meta, _ = verified_meta(meta)
     except CheckpointDamaged as e:
+      if _gone(step_dir):
+        raise StepVanished(step, workdir) from e
       raise UserError(f"the checkpoint at step {step} ({step_dir}) is damaged: {e}") from e
+    except Exception as e:  # Orbax's error for a directory that is gone; anything else is reported as it is
+      if _gone(step_dir):
+        raise StepVanished(step, workdir) from e
+      raise
     if meta.get("layer_order", "sequential") != "sequential":
       raise UserError(f"the checkpoint at step {step} in {workdir} stores its layers in {meta['layer_order']} "
                       "order (a circular pipeline's); load it in a run with the same pipeline settings instead")
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    log = diagnostics_log(workdir, f"metadata-step{step}-process{jax.process_index()}.log")
     try:
-      with quiet_absl():  # reading an item on its own, Orbax warns that the step's own metadata file is not its
-        stored = checkpointer.metadata(step_dir / "state").item_metadata.tree
+      # Reading an item on its own, Orbax warns that the step's own metadata file is not its.
+      with stderr_to(log, keep_empty=False), quiet_absl(), _threads_to_log(workdir, step):
+        metadata = checkpointer.metadata(step_dir / "state")
+        stored = getattr(getattr(metadata, "item_metadata", None), "tree", None)
+        if stored is None:  # a damaged OCDBT node or manifest reads as no metadata at all
+          raise ValueError("no readable tree metadata")
+    except Exception as e:
+      if _gone(step_dir):
+        raise StepVanished(step, workdir) from e
+      raise UserError(f"the checkpoint at step {step} ({step_dir}) is damaged: its state's metadata cannot be read "
+                      f"({restore_problem(e, step_dir)}; Orbax's own report: {log})") from e
     finally:
       checkpointer.close()
     if not isinstance(stored, dict) or "params" not in stored:
@@ -133,13 +205,15 @@ class _ParamsSource:
     if restore_args is None:
       restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
       target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), target)  # never touched: no memory
-    log = self.workdir / "diagnostics" / f"load-params-step{self.step}-process{jax.process_index()}.log"
+    log = diagnostics_log(self.workdir, f"load-params-step{self.step}-process{jax.process_index()}.log")
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     try:
-      with stderr_to(log, keep_empty=False), quiet_absl():
+      with stderr_to(log, keep_empty=False), quiet_absl(), _threads_to_log(self.workdir, self.step):
         restored = checkpointer.restore(self.step_dir / "state", args=ocp.args.PyTreeRestore(
             {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
     except Exception as e:
+      if _gone(self.step_dir):
+        raise StepVanished(self.step, self.workdir) from e
       raise UserError(f"the checkpoint at step {self.step} ({self.step_dir}) cannot be read: "
                       f"{restore_problem(e, self.step_dir)} (Orbax's own report: {log})") from e
     finally:

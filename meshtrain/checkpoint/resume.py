@@ -22,10 +22,12 @@ def fine_tune_source(cfg, workdir: pathlib.Path) -> init_from.Source | None:
 
 
 def check_compatible(saved_config: dict, model_cfg, shape_fields: tuple[str, ...], step: int, directory) -> None:
-  """A checkpoint of another model shape cannot be resumed: name every differing field before anything runs."""
+  """A checkpoint of another model shape cannot be resumed: name every differing field before anything runs. A
+  field the checkpoint's config lacks (written before the field existed: attention_bias, qk_norm) is not compared:
+  such a run had the field's default."""
   saved_model = saved_config.get("model", {})
   diffs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, this run {model_cfg[k]!r}"
-           for k in shape_fields if saved_model.get(k) != model_cfg[k]]
+           for k in shape_fields if k in saved_model and saved_model[k] != model_cfg[k]]
   if diffs:
     raise UserError(f"the checkpoint at step {step} in {directory} was written by a different model shape:\n  "
                     + "\n  ".join(diffs) + "\nuse the same model settings to resume, or a new --workdir to start over")

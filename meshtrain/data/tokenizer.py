@@ -410,12 +410,20 @@ def load(spec: str | os.PathLike) -> Tokenizer:
     raise UserError(f"cannot read tokenizer {spec!r}: {e.strerror or e}") from e
 
 
-def from_workdir(workdir: str | os.PathLike) -> Tokenizer:
-  """The tokenizer the run in `workdir` uses (WORKDIR/tokenizer/), bytes if there is none."""
+def from_workdir(workdir: str | os.PathLike, record: dict | None = None) -> Tokenizer:
+  """The tokenizer the run in `workdir` uses (WORKDIR/tokenizer/), bytes if there is none. With `record` (a
+  checkpoint's meta["tokenizer"], describe()'s dict) it must be the one the checkpoint was trained with, by its
+  file's fingerprint: another tokenizer would turn the same ids into other text. UserError otherwise."""
   directory = pathlib.Path(workdir) / WORKDIR_SUBDIR
   if not directory.is_dir() or not any((directory / n).is_file() for n in (HF_FILE, SP_FILE)):
-    return ByteTokenizer()
-  return load(directory)
+    tok = ByteTokenizer()
+  else:
+    tok = load(directory)
+  if record and record.get("fingerprint", tok.fingerprint) != tok.fingerprint:
+    raise UserError(f"the checkpoint was trained with the {record.get('kind')} tokenizer "
+                    f"{record['fingerprint'][:12]}..., but {str(directory)!r} holds {tok.kind} "
+                    f"{tok.fingerprint[:12]}...; restore the run's own tokenizer files there")
+  return tok
 
 
 def hf_special_tokens(tok: HfTokenizer) -> dict[str, str]:
@@ -517,14 +525,19 @@ def save_to_workdir(tok: Tokenizer, workdir: str | os.PathLike) -> None:
 # --- training a byte-level BPE (on a config's dataset: meshtrain/data/select.py's tokenizer_for_config) -------
 
 
+# The largest BPE meshtrain trains: 4x today's largest vocabularies (Gemma's 262k). The trainer allocates per id, so
+# a mistyped 10^9 would abort the process inside the tokenizers library instead of being refused.
+MAX_BPE_VOCAB = 1 << 20
+
+
 def parse_bpe_spec(spec: str) -> int | None:
   """N for "bpe:N", None for any other spec."""
   match = re.fullmatch(r"bpe:(\d+)", spec.strip())
   if not spec.strip().startswith("bpe:"):
     return None
-  if not match or int(match.group(1)) < 256 + len(BPE_SPECIALS):
-    raise UserError(f"data.tokenizer={spec!r}: write bpe:N with N >= {256 + len(BPE_SPECIALS)} (the 256 byte "
-                    "tokens and the specials come first), e.g. bpe:4096")
+  if not match or not 256 + len(BPE_SPECIALS) <= int(match.group(1)) <= MAX_BPE_VOCAB:
+    raise UserError(f"data.tokenizer={spec!r}: write bpe:N with {256 + len(BPE_SPECIALS)} <= N <= {MAX_BPE_VOCAB:,} "
+                    "(the 256 byte tokens and the specials come first), e.g. bpe:4096")
   return int(match.group(1))
 
 

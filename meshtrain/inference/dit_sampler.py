@@ -22,6 +22,7 @@ import numpy as np
 
 from meshtrain import config as config_lib, hooks
 from meshtrain.errors import UserError
+from meshtrain.runtime import host
 
 GRID_CELL_PX = 48  # images are upscaled (nearest neighbour, whole multiples) to at least this many pixels high
 GRID_GAP_PX = 2    # between cells, in the background grey
@@ -112,6 +113,24 @@ def class_labels(classes, per_class: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # --- the compiled sampler ------------------------------------------------------------------------------------
+
+
+MAX_STEPS = 10_000  # Euler steps: DiTs sample in 25-250; more is a typo that would run for hours without a word
+
+
+def check_request(cfg, images: int, steps: int) -> None:
+  """Refuses, before JAX starts, a sample the host could not hold or would not finish: the activations of one
+  Euler step (the grid twice over under guidance: conditional and unconditional rows, each a [tokens, mlp_dim]
+  float32 array) against this host's memory, and more than MAX_STEPS steps."""
+  if steps > MAX_STEPS:
+    raise UserError(f"--steps {steps:,} is more than {MAX_STEPS:,} Euler steps (the DiT samples well in 25-250); pass "
+                    "fewer")
+  m = cfg.model
+  tokens = (m.get("image_size", 1) // m.get("patch_size", 1)) ** 2
+  needed = 2 * images * tokens * max(m.get("mlp_dim", 1), 4 * m.get("d_model", 1)) * 4
+  if needed > (memory := host.host_memory_bytes()):
+    raise UserError(f"{images:,} images ({tokens} tokens each) need about {needed / 1e9:,.1f} GB for one sampling "
+                    f"step, more than this host's {memory / 1e9:,.1f} GB; pass fewer classes or a smaller --per-class")
 
 
 def run_config(saved: dict, overrides: list[str]):

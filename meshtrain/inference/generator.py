@@ -259,11 +259,12 @@ class Generator:
     from meshtrain.data import tokenizer as tokenizer_lib
     if mesh is None:
       mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    if tokenizer is None:  # the run's own, checked against the checkpoint's record of it before any restore
+      tokenizer = tokenizer_lib.from_workdir(workdir, checkpoint.run_meta(str(workdir), step, "a run")[1].get(
+          "tokenizer"))
     params, meta = checkpoint.load_params(workdir, step, mesh=mesh,
                                           rules=sharding.for_mesh(rules or sharding.rules_for("fsdp_tp"), mesh))
     saved = meta["config"]
-    if tokenizer is None:
-      tokenizer = tokenizer_lib.from_workdir(workdir)
     model = dict(saved["model"], **({"dtype": dtype} if dtype else {}))
     return cls(params, model, tokenizer=tokenizer, mesh=mesh, rules=rules,
                max_len=max_len if max_len is not None else saved.get("seq_len"),
@@ -328,6 +329,22 @@ class Generator:
     from jax.experimental import multihost_utils
     # Replicated onto every device (a collective every process runs), then read from one of this process's.
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  def _check_cache_fits(self, B: int, S: int, T: int) -> None:
+    """Refuses, before compiling, a generation whose KV cache (keys and values of every layer for B rows of S
+    slots, split over the mesh's batch and kv-head axes at best) cannot fit in a device's memory: a long
+    --max-new-tokens with a large --max-len would otherwise end in an allocator failure."""
+    import jax.numpy as jnp
+    from meshtrain import layout
+    c = self.model_cfg
+    per_device = (2 * c.num_layers * B * c.num_kv_heads * S * c.head_dim * jnp.dtype(c.dtype).itemsize
+                  + B * T * 4) // self.mesh.size
+    capacity, source = layout.device_memory(self.mesh)
+    if per_device > capacity:
+      raise UserError(f"{B} prompt row(s) of up to {S + 1:,} tokens (prompt + --max-new-tokens, within --max-len) "
+                      f"need a KV cache of {per_device / 1e9:,.1f} GB per device, more than the {capacity / 1e9:,.1f} "
+                      f"GB a device has ({source}); lower --max-new-tokens or --max-len, or spread the batch over "
+                      "more devices")
 
   def _compile(self, B: int, P: int, T: int, sampling: Sampling, stop_at_eos: bool):
     import flax.linen as nn  # after runtime.start (module docstring)
@@ -417,6 +434,7 @@ class Generator:
     B = -(-n // self.batch_ways) * self.batch_ways  # rows split evenly over the batch axes
     P = -(-int(lengths.max()) // PROMPT_BUCKET) * PROMPT_BUCKET
     T = int(limits.max())
+    self._check_cache_fits(B, P + T - 1, T)
     tokens_BP = np.full((B, P), self.pad_id, np.int32)
     start_B = np.full(B, P - 1, np.int32)
     limit_B = np.zeros(B, np.int32)

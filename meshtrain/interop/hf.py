@@ -35,6 +35,8 @@ import math
 import os
 import pathlib
 import shutil
+import signal
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -101,10 +103,38 @@ def check_output(path: pathlib.Path, flag: str) -> None:
     raise UserError(f"{flag} {str(path)!r} cannot be created: {str(parent)!r} is not a writable directory")
 
 
+class Interrupts:
+  """Ctrl-C (SIGINT) during a conversion, noted by a handler and raised as KeyboardInterrupt at `check()` points in
+  the conversion's own code (between tensors, before the final rename). Raised wherever the main thread happens to
+  be, it could land inside Orbax's or TensorStore's waits, which swallowed it (the export finished, exit 0) or
+  turned it into their own traceback. Outside the main thread (no signal handler possible) check() does nothing."""
+  _pending = False
+
+  @classmethod
+  @contextlib.contextmanager
+  def deferred(cls):
+    if threading.current_thread() is not threading.main_thread():
+      yield
+      return
+    cls._pending = False
+    previous = signal.signal(signal.SIGINT, lambda *_: setattr(cls, "_pending", True))
+    try:
+      yield
+    finally:
+      signal.signal(signal.SIGINT, previous)
+      cls._pending = False
+
+  @classmethod
+  def check(cls) -> None:
+    if cls._pending:
+      cls._pending = False
+      raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def staged(target: pathlib.Path):
   """Yields a fresh directory beside `target` (same file system, so the final rename is atomic); renames it to
-  `target` on success, removes it on any failure, Ctrl-C included."""
+  `target` on success, removes it on any failure, Ctrl-C included (see Interrupts)."""
   target = target.absolute()
   target.parent.mkdir(parents=True, exist_ok=True)
   tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
@@ -112,6 +142,7 @@ def staged(target: pathlib.Path):
   tmp.mkdir()
   try:
     yield tmp
+    Interrupts.check()
     if target.is_dir():
       target.rmdir()  # empty (checked before starting); rename cannot replace a directory on every system
     tmp.rename(target)
@@ -264,6 +295,7 @@ def _read_weights(files: dict, m: dict, param_dtype: str, staging: pathlib.Path)
   for file, names in by_file.items():
     with weights.open_safetensors(file) as f:
       for name in names:
+        Interrupts.check()
         path, index, _, how = expected[name]
         node = params
         for key in path:
@@ -308,14 +340,25 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
   check_output(target, "--out")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from meshtrain import checkpoint  # JAX and Orbax: only once the arguments are checked
+  for attempt in range(checkpoint.RETRIES):
+    try:
+      return _export(checkpoint, src, step, target)
+    except checkpoint.StepVanished:  # a live run's retention deleted the step: the newest again, from scratch
+      if step is not None or attempt == checkpoint.RETRIES - 1:
+        raise
+  raise AssertionError("unreachable")
+
+
+def _export(checkpoint, src: pathlib.Path, step: int | None, target: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
+  """to_hf's export of one step, into a staged directory renamed to `target` at the end."""
   meta, stored, read = checkpoint.param_reader(src, step=step)
   model = meta["config"]["model"]
   if checkpoint.task_of(meta) != "lm":
-    raise UserError(f"{workdir!r} holds a {checkpoint.task_of(meta)} model; Hugging Face export is for language "
+    raise UserError(f"{str(src)!r} holds a {checkpoint.task_of(meta)} model; Hugging Face export is for language "
                     "models (task=lm)")
   family = hf_config.export_family(model)
   if meta.get("layer_order", "sequential") != "sequential":
-    raise UserError(f"the checkpoint in {workdir!r} stores its layers in {meta['layer_order']} order (circular "
+    raise UserError(f"the checkpoint in {str(src)!r} stores its layers in {meta['layer_order']} order (circular "
                     "pipeline); export a checkpoint of a run with pipeline.schedule=gpipe or no pipeline")
   D, E = model["d_model"], model["head_dim"]
   fan_in = model.get("init") == "fan_in"
@@ -382,6 +425,7 @@ def _layer_tensors(name: str, how: str, arrays, scale: float | None):
   is read."""
   for i, w in enumerate(arrays):
     for x, w_x in enumerate(w) if "{x}" in name else [(None, w)]:
+      Interrupts.check()
       w_x = _to_hf(how, w_x)
       if scale:  # folded in float32, rounded once to the storage dtype
         w_x = (w_x.astype(np.float32) * scale).astype(w_x.dtype)

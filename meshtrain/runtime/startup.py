@@ -8,6 +8,7 @@ import sys
 import threading
 import traceback
 
+from meshtrain import errors
 from meshtrain.errors import RunAborted, UserError
 from meshtrain.runtime import cluster
 
@@ -78,6 +79,8 @@ def run_main(main) -> None:
       code = 1
   sys.stdout.flush()
   sys.stderr.flush()
+  if code == 2:  # a refusal: its one `error:` line is out; late noise of Orbax's threads must not follow it
+    errors.silence_stderr()
   if code and _distributed:
     os._exit(code)
   sys.exit(code)
