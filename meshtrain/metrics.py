@@ -4,6 +4,7 @@ Only process 0 writes; other processes get a writer that does nothing, so the lo
 """
 import json
 import pathlib
+import sys
 
 import tqdm
 
@@ -78,12 +79,21 @@ class MetricsWriter:
       self._bar.write(text)
 
   def close(self) -> None:
+    """Closes the bar, the TensorBoard events and metrics.jsonl, and draws loss.png. On a full disk (a run stopping
+    because its checkpoint could not be written, often) what cannot be written is named in one note: an OSError
+    here would replace the run's own message with a traceback."""
     if not self.enabled:
       return
     self._bar.close()
-    self._tb.close()
-    self._file.close()
-    plot_losses(self.path, self.path.with_name("loss.png"))
+    failed = []
+    for what, close in (("TensorBoard events", self._tb.close), ("metrics.jsonl", self._file.close),
+                        ("loss.png", lambda: plot_losses(self.path, self.path.with_name("loss.png")))):
+      try:
+        close()
+      except OSError as e:
+        failed.append(f"{what} ({e.strerror or e})")
+    if failed:
+      print(f"note: could not finish writing {', '.join(failed)} in {self.path.parent}", file=sys.stderr)
 
 
 def plot_losses(metrics_path: pathlib.Path, png_path: pathlib.Path) -> None:

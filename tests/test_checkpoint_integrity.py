@@ -201,6 +201,36 @@ def test_failed_save_keeps_orbax_tracebacks_out_of_the_terminal(tmp_path):
   assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]  # no step claims to be saved
 
 
+def test_reruns_after_a_failed_save_stop_the_same_way_and_never_hang(tmp_path):
+  """Issue 29: after "stopped: the checkpoint of step N could not be written", one rerun in four hung at exit (a
+  full 2 MB tmpfs): asyncio's reports of Orbax's failed writes, logged at interpreter exit, made the log router ask
+  jax.process_index(), which re-initialised a backend and waited forever for a thread to start. Reruns on the same
+  workdir (what a user does) each stop with the same line and exit 3, within the timeout."""
+  for _ in range(3):
+    proc = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, *command(tmp_path)[3:]], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "stopped: the checkpoint of step 4" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_log_router_asks_nothing_of_jax_when_it_writes(tmp_path, monkeypatch):
+  """What made the exit hang: the router looked up the process index at write time. It is taken at construction,
+  and a write that cannot happen (a full disk, builtins gone at exit) is dropped, never raised into Orbax."""
+  from meshtrain.checkpoint import orbax_output
+  output = orbax_output.BackgroundOutput(tmp_path / "diagnostics")
+  output.step = 3
+
+  def forbidden():
+    raise AssertionError("jax.process_index() called while writing")
+  monkeypatch.setattr(orbax_output.jax, "process_index", forbidden)
+  output.write("a line\n")
+  assert (tmp_path / "diagnostics" / "save-step3-process0.log").read_text() == "a line\n"
+  output.directory = tmp_path / "afile" / "cannot"  # a directory that cannot be made: dropped, not raised
+  (tmp_path / "afile").write_text("x")
+  output.step = 4
+  assert output.write("dropped\n") == len("dropped\n")
+
+
 def test_a_step_damaged_twice_keeps_both_copies(tmp_path):
   (tmp_path / "8.damaged").mkdir()
   assert checkpointer._unused_name(tmp_path / "8.damaged").name == "8.damaged.2"

@@ -166,3 +166,18 @@ def test_metrics_writer_image_is_a_tensorboard_image(tmp_path):
   np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(value.image.encoded_image_string))), image)
   MetricsWriter(tmp_path / "other", 10, 0, enabled=False).image("samples", image, 1)  # not process 0: nothing
   assert not (tmp_path / "other").exists()
+
+
+def test_metrics_writer_close_on_a_full_disk_is_a_note_not_a_traceback(tmp_path, capsys):
+  """A run stopping because its checkpoint could not be written (a full disk) closes its metrics in a `finally`:
+  an OSError there replaced the run's `stopped:` line and exit 3 with a traceback and exit 1."""
+  writer = MetricsWriter(tmp_path, total_steps=10, start_step=0)
+  writer.write({"step": 1, "loss": 2.0})
+
+  def full():
+    raise OSError(28, "No space left on device")
+  writer._tb.close = full
+  writer.close()
+  err = capsys.readouterr().err
+  assert "note: could not finish writing TensorBoard events (No space left on device)" in err
+  assert (tmp_path / "loss.png").is_file()  # what could be written still was

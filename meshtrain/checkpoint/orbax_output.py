@@ -28,13 +28,16 @@ class BackgroundOutput:
   def __init__(self, directory: pathlib.Path, kind: str = "save"):
     self.directory = directory
     self.kind = kind  # "save": the trainer's; "read": a reader's, after a failed read (meshtrain/checkpoint/reader.py)
+    # Asked now, not when a line is written: asyncio's reports can come at interpreter exit, where jax.process_index()
+    # re-initialises a backend and starts a thread, which hangs the exit forever (1 rerun in 4 on a full disk).
+    self._process = jax.process_index()
     self.step = None
     self._lock = threading.Lock()
     self._files = {}
     self._router = self._filter = None
 
   def log_path(self, step) -> pathlib.Path:
-    return self.directory / f"{self.kind}-step{step}-process{jax.process_index()}.log"
+    return self.directory / f"{self.kind}-step{step}-process{self._process}.log"
 
   @staticmethod
   def foreign() -> bool:
@@ -42,13 +45,19 @@ class BackgroundOutput:
     return thread is not threading.main_thread() and not thread.name.startswith("meshtrain")
 
   def write(self, text: str) -> int:
+    """Best effort: on a full or unwritable disk (the very failure being reported, often), or at interpreter exit
+    (builtins already gone), the text is dropped; an exception raised here would land in Orbax's threads and
+    asyncio's exception handler instead."""
     with self._lock:
       step = self.step
-      if step not in self._files:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._files[step] = open(self.log_path(step), "a")
-      self._files[step].write(text)
-      self._files[step].flush()
+      try:
+        if step not in self._files:
+          self.directory.mkdir(parents=True, exist_ok=True)
+          self._files[step] = open(self.log_path(step), "a")
+        self._files[step].write(text)
+        self._files[step].flush()
+      except Exception:  # pylint: disable=broad-except
+        pass
     return len(text)
 
   def install(self, own_terminal: bool = True) -> None:
@@ -73,7 +82,10 @@ class BackgroundOutput:
     self._router = self._filter = None
     with self._lock:
       for f in self._files.values():
-        f.close()
+        try:
+          f.close()
+        except OSError:  # its last flush, on a full disk
+          pass
       self._files.clear()
 
 

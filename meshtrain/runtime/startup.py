@@ -79,8 +79,8 @@ def run_main(main) -> None:
       code = 1
   sys.stdout.flush()
   sys.stderr.flush()
-  if code == 2:  # a refusal: its one `error:` line is out; late noise of Orbax's threads must not follow it
-    errors.silence_stderr()
+  if code in (2, 3):  # a refusal or a stop: its one line is out; late noise of Orbax's threads (and of libraries'
+    errors.silence_stderr()  # atexit handlers on a full disk) must not follow it
   if code and _distributed:
     os._exit(code)
   sys.exit(code)
