@@ -140,6 +140,7 @@ def open_model_reference():
   return train(tiny_config({}, "dp", OPEN_MODEL), jax.devices()[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OPEN_MODEL_LAYOUTS)
 def test_open_model_features_match_one_device(name, open_model_reference, reference):
   ref_losses, ref_grads, _ = open_model_reference

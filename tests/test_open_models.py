@@ -76,7 +76,12 @@ def greedy_of(workdir, prompt_BP, new):
   return np.asarray(out.token_ids)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+# The quick pass (-m "not slow", CI's second Python) converts one model per family; the full suite all eight.
+QUICK = ("llama3", "qwen2_tied", "qwen3", "mistral_window", "mixtral")
+
+
+@pytest.fixture(scope="module", params=[v if v in QUICK else pytest.param(v, marks=pytest.mark.slow)
+                                        for v in VARIANTS])
 def converted(request, tmp_path_factory):
   root = tmp_path_factory.mktemp(request.param)
   hf = make(root / "hf", request.param)
@@ -127,6 +132,7 @@ def test_exports_the_same_architecture_and_tensors(converted):
   assert_close(hf_logits(root / "back"), hf_logits(hf))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["mixtral", "qwen2_tied"])
 def test_bfloat16_sharded_round_trip_is_exact(variant, tmp_path, monkeypatch):
   """bfloat16 weights in several safetensors shards (save_pretrained's index) in, several shards out: every tensor
@@ -171,6 +177,7 @@ SCRATCH = {  # the features of a meshtrain model -> the architecture to-hf picks
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRATCH)
 def test_meshtrain_model_exports_to_the_matching_architecture(name, tmp_path):
   """Random parameters of a model with these features (every parameter drawn away from its init, so a wrong

@@ -18,6 +18,8 @@ from meshtrain import checkpoint, config as config_lib, convert, generate, sampl
 from meshtrain.checkpoint import reader
 from meshtrain.interop import hf_tokenizer
 
+pytestmark = pytest.mark.slow  # real training runs and subprocesses: the full suite (CI's first Python) runs them
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = ["--config", "configs/tiny.py", "--config.steps=2", "--config.seq_len=32", "--config.batch_size=8",
          "--config.eval_every=0", "--config.log_every=1", "--config.checkpoint_every=1", "--config.checkpoint_keep=2",
@@ -205,7 +207,6 @@ def test_ctrl_c_in_to_hf_leaves_nothing_and_exits_130(run, tmp_path, monkeypatch
   assert list(tmp_path.iterdir()) == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-@pytest.mark.slow
 def test_a_damaged_checkpoint_is_one_line_every_time(run, tmp_path):
   """A flipped bit in each data file of the newest step: generate's refusal is its only stderr line, in every one of
   several runs (Orbax's threads used to print "Event loop is closed" tracebacks after it, 1 run in 6)."""
