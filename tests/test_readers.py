@@ -201,10 +201,11 @@ def test_ctrl_c_in_to_hf_leaves_nothing_and_exits_130(run, tmp_path, monkeypatch
       os.kill(os.getpid(), signal.SIGINT)
     return original(how, w)
   monkeypatch.setattr(hf, "_to_hf", interrupted)
+  handler = signal.getsignal(signal.SIGINT)  # the default, or pytest-xdist's worker's
   assert convert.main(["to-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 130
   err = capsys.readouterr().err
   assert err.startswith("interrupted: nothing was written") and err.count("\n") == 1, err
-  assert list(tmp_path.iterdir()) == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert list(tmp_path.iterdir()) == [] and signal.getsignal(signal.SIGINT) is handler  # restored
 
 
 def test_a_damaged_checkpoint_is_one_line_every_time(run, tmp_path):
