@@ -79,18 +79,12 @@ def train(cfg, workdir: pathlib.Path, hooks=()) -> dict:
     runtime.start(cfg)  # XLA flags, CPU devices, distributed runtime: before JAX initialises its backends
     # Heavy imports after argument checks and runtime.start: a typo is reported in a fraction of a second.
     import jax
-    from meshtrain import checkpoint, loop
-    refuse_converted(workdir, checkpoint)  # before the lock: a refused run writes nothing there
+    from meshtrain import loop
+    from meshtrain.checkpoint import resume
+    resume.refuse_converted(workdir)  # before the lock: a refused run writes nothing there
     # Before anything reads or writes the workdir: a second run there is refused, the first one is left alone.
     with workdir_lib.exclusive(workdir, jax.process_index(), jax.process_count(), cfg.distributed.barrier_timeout_s):
       return loop.train(cfg, workdir, preemption, hooks, startup_clock)
-
-
-def refuse_converted(workdir: pathlib.Path, checkpoint) -> None:
-  """A converted model's workdir (parameters only) is never trained in: fine-tune it from a new workdir."""
-  if checkpoint.checkpoint_steps(workdir) and checkpoint.run_meta(str(workdir), None, "a run")[1].get("params_only"):
-    raise UserError(f"{workdir} holds converted parameters (no optimizer state or data position to resume); use "
-                    f"--config.init_from={workdir} with a new --workdir to fine-tune them")
 
 
 def startup_clock() -> float:

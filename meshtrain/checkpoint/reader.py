@@ -110,16 +110,24 @@ def load_params(workdir, step: int | None = None, mesh=None, shardings=None, rul
   `StandardCheckpointer().restore(.../state)` does, and fails on another one with "Topology mismatch").
   Missing checkpoints or a step that is not there: UserError.
   """
+  def read():
+    source = _ParamsSource(workdir, step)
+    if mesh is None and shardings is None:
+      return source.restore(source.stored), source.meta
+    target_shardings = shardings if shardings is not None else _param_shardings(
+        source.meta, mesh, rules, source.stored, source.workdir, source.step)
+    target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), source.stored,
+                          target_shardings)
+    return source.restore(target, ocp.checkpoint_utils.construct_restore_args(target)), source.meta
+  return retrying(read, step)
+
+
+def retrying(read, step: int | None):
+  """read() again while the step it reads is deleted under it (StepVanished), up to RETRIES times: each try reads
+  the newest step there is then. With a `step` asked for, there is nothing else to read: the first raises."""
   for attempt in range(RETRIES):
     try:
-      source = _ParamsSource(workdir, step)
-      if mesh is None and shardings is None:
-        return source.restore(source.stored), source.meta
-      if shardings is None:
-        shardings = _param_shardings(source.meta, mesh, rules, source.stored, source.workdir, source.step)
-      target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), source.stored,
-                            shardings)
-      return source.restore(target, ocp.checkpoint_utils.construct_restore_args(target)), source.meta
+      return read()
     except StepVanished:
       if step is not None or attempt == RETRIES - 1:
         raise

@@ -21,6 +21,18 @@ def fine_tune_source(cfg, workdir: pathlib.Path) -> init_from.Source | None:
   return init_from.resolve(cfg) if cfg.init_from and not reader.checkpoint_steps(workdir) else None
 
 
+def converted_error(workdir) -> UserError:
+  return UserError(f"{workdir} holds converted parameters (no optimizer state or data position to resume); use "
+                   f"--config.init_from={workdir} with a new --workdir to fine-tune them")
+
+
+def refuse_converted(workdir) -> None:
+  """A converted model's workdir (parameters only) is never trained in: refused from its meta item (plain JSON),
+  before the run takes the workdir's lock, so a refused run writes nothing there."""
+  if reader.checkpoint_steps(workdir) and reader.run_meta(str(workdir), None, "a run")[1].get("params_only"):
+    raise converted_error(workdir)
+
+
 def check_compatible(saved_config: dict, model_cfg, shape_fields: tuple[str, ...], step: int, directory) -> None:
   """A checkpoint of another model shape cannot be resumed: name every differing field before anything runs. A
   field the checkpoint's config lacks (written before the field existed: attention_bias, qk_norm) is not compared:
@@ -48,9 +60,8 @@ class ResumeCheck:
 
   def __call__(self, step: int, meta: dict) -> None:
     cfg = self.cfg
-    if meta.get("params_only"):
-      raise UserError(f"{self.workdir} holds converted parameters (no optimizer state or data position to resume); "
-                      f"use --config.init_from={self.workdir} with a new --workdir to fine-tune them")
+    if meta.get("params_only"):  # refused before the lock already (refuse_converted); kept for other callers
+      raise converted_error(self.workdir)
     if (trained_task := meta.get("task", "lm")) != cfg.task:  # checkpoints from before tasks are language models
       raise UserError(f"the checkpoint at step {step} in {self.directory} was trained with task={trained_task}, "
                       f"this run has task={cfg.task}; resume it with its own config, or start a new --workdir")

@@ -340,13 +340,8 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
   check_output(target, "--out")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from meshtrain import checkpoint  # JAX and Orbax: only once the arguments are checked
-  for attempt in range(checkpoint.RETRIES):
-    try:
-      return _export(checkpoint, src, step, target)
-    except checkpoint.StepVanished:  # a live run's retention deleted the step: the newest again, from scratch
-      if step is not None or attempt == checkpoint.RETRIES - 1:
-        raise
-  raise AssertionError("unreachable")
+  # A live run's retention may delete the step while it is exported: the newest again, from scratch.
+  return checkpoint.retrying(lambda: _export(checkpoint, src, step, target), step)
 
 
 def _export(checkpoint, src: pathlib.Path, step: int | None, target: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
