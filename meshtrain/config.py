@@ -30,7 +30,8 @@ from meshtrain.models import presets
 # data.tokenizer is not among them either: the tokenizer a checkpoint was trained with is compared by its file's
 # fingerprint (checkpoint meta "tokenizer"), so a moved file resumes and another file is refused outright.
 DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_key", "data.train_split",
-                     "data.format", "data.prompt_key", "data.completion_key", "data.image_key", "data.label_key")
+                     "data.format", "data.prompt_key", "data.completion_key", "data.image_key", "data.label_key",
+                     "data.messages_key", "data.eval_fraction", "data.skip_bad_records", "data.mixture")
 DTYPES = ("float32", "bfloat16")
 # distributed.barrier_timeout_s's default; also inference.generator.Generator's, for research code without a config.
 BARRIER_TIMEOUT_S = 1200
@@ -49,8 +50,37 @@ MIN_WATCHDOG_S = 30.0
 MAX_SEED = 2**32 - 1
 # A TFDS dataset name, as tensorflow_datasets.core.naming._NAME_REG (not imported here: TFDS is slow to import):
 # [namespace:]name[/config][:major.minor.patch][/kwargs].
+# data.name as local files (meshtrain/data/files.py): the suffixes read, and how a path is told from a TFDS name.
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 _TFDS_NAME = re.compile(r"^(?:[\w\-]+:)?[a-zA-Z]\w*(?:/[\w+\-.]+)?(?::(?:\d+|\*)(?:\.(?:\d+|\*)){2})?"
                         r"(?:/(?:\w+=[^,\s]+,?)+)?$")
+
+
+def is_path(name: str) -> bool:
+  """Whether a data name is a path or glob of local files rather than a TFDS name: it starts with /, ~ or ., holds a
+  glob character, ends in a suffix meshtrain/data/files.py reads, or names something that exists on disk."""
+  return (name.startswith(("/", "~", ".")) or any(c in name for c in "*?[") or name.endswith(FILE_SUFFIXES)
+          or os.path.exists(name))
+
+
+def parse_mixture(spec: str) -> list[tuple[str, float]]:
+  """data.mixture "SRC=WEIGHT,SRC=WEIGHT" as [(SRC, WEIGHT)]; UserError naming the entry that does not parse. A
+  weight is the text after an entry's last "=", so a path may hold "=" but not ","."""
+  entries = []
+  for item in spec.split(","):
+    source, eq, weight = item.strip().rpartition("=")
+    try:
+      value = float(weight)
+    except ValueError:
+      value = float("nan")
+    if not eq or not source.strip() or not math.isfinite(value) or value <= 0:
+      raise UserError(f"data.mixture={spec!r}: entry {item.strip()!r} is not SRC=WEIGHT with a weight > 0; write "
+                      "e.g. --config.data.mixture='python_stdlib=0.7,corpus/*.jsonl=0.3'")
+    entries.append((source.strip(), value))
+  names = [n for n, _ in entries]
+  if len(set(names)) < len(names):
+    raise UserError(f"data.mixture={spec!r} names a source twice; give each source once with its total weight")
+  return entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +226,15 @@ def _data_fields() -> ml_collections.ConfigDict:
   g.format = "text"
   g.prompt_key = "prompt"          # prompt_completion: the feature holding the prompt
   g.completion_key = "completion"  # prompt_completion: the feature holding the completion
+  g.messages_key = "messages"      # chat: the record's list of {"role", "content"} messages
+  # Local files (data.name a path or glob, meshtrain/data/files.py): the fraction of documents held out as the
+  # validation split, by a hash of each document's content; or a path (or TFDS name) to evaluate on instead.
+  g.eval_fraction = 0.01
+  g.eval_name = ""
+  g.skip_bad_records = False  # local files: skip (and count) records that cannot be read, instead of exit 2
+  # "SRC=WEIGHT,SRC=WEIGHT": train on a mixture (each SRC a TFDS name or a path/glob) drawn in those proportions;
+  # data.name is then not read
+  g.mixture = ""
   # byte (UTF-8 bytes + 3 specials) | PATH of a tokenizer.json, a SentencePiece .model or a directory holding one |
   # bpe:N (a byte-level BPE of N ids trained on the train split on first use, cached under the data dir)
   g.tokenizer = "byte"
@@ -550,10 +589,14 @@ def _check_values(cfg) -> None:
                     "num_processes >= 1 and 0 <= process_id < num_processes, or -1 for both to take them from the "
                     "environment")
   data = cfg.data
-  if not _TFDS_NAME.match(data.name):
-    raise UserError(f"data.name={data.name!r} is not a dataset name: TFDS names are letters, digits and _ "
-                    "(name[/config][:1.2.3]), starting with a letter; use python_stdlib (built locally), synthetic, "
-                    "or a TFDS dataset name such as tiny_shakespeare or lm1b")
+  named = [("data.mixture", n) for n, _ in parse_mixture(data.mixture)] if data.mixture else [("data.name", data.name)]
+  named += [("data.eval_name", data.eval_name)] if data.eval_name else []
+  for key, name in named:
+    if not is_path(name) and not _TFDS_NAME.match(name):
+      raise UserError(f"{key} names {name!r}, which is not a dataset name: TFDS names are letters, digits and _ "
+                      "(name[/config][:1.2.3]), starting with a letter; use python_stdlib (built locally), synthetic, "
+                      "a TFDS dataset name such as tiny_shakespeare or lm1b, or a path or glob of your own files "
+                      "(.jsonl, .json, .parquet, .txt; ./ for a relative path)")
   splits = [("data.train_split", data.train_split)] + ([("data.eval_split", data.eval_split)] if cfg.eval_every else [])
   for key, split in splits:
     if not split.strip():

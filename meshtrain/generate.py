@@ -15,7 +15,7 @@ process's devices, the parameters are restored sharded over it, and each process
 generated ids are gathered onto every process; process 0 alone prints them.
 
 --messages: a conversation (a JSON list of {"role", "content"}) rendered by the run's chat template as transformers
-renders it (meshtrain/inference/chat.py), with the assistant's generation prompt.
+renders it (meshtrain/data/chat.py), with the assistant's generation prompt.
 
 Exit codes: 0 done, 2 a user mistake (bad prompt, length, sampling setting, missing checkpoint), one `error:` line
 (from every process, before anything is compiled), 3 a process that never reached a barrier.
@@ -26,7 +26,8 @@ import sys
 
 from meshtrain import config as config_lib, runtime
 from meshtrain.errors import ArgumentParser, RunAborted, UserError
-from meshtrain.inference import chat, stream as stream_lib
+from meshtrain.data import chat
+from meshtrain.inference import stream as stream_lib
 from meshtrain.inference.generator import Generator, Sampling
 
 STREAM_EVERY = 16  # tokens per decode call when streaming: one host round trip per 16 tokens costs ~nothing

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import time
 
+from meshtrain import data
 from meshtrain.errors import RunAborted
 
 # The train step's own metrics (meshtrain/step.py), besides the count named after the task's unit.
@@ -273,7 +274,6 @@ class Evaluate(Periodic):
   def evaluate(self, step: int, run: Run) -> dict:
     import jax
     import jax.numpy as jnp
-    from meshtrain import data
     layout, sums = run.layout, None
     for i in range(run.cfg.eval_batches):
       run.beat(step, f"evaluation batch {i}")

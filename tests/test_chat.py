@@ -28,7 +28,7 @@ except ImportError as e:
 from meshtrain import convert, generate, runtime
 from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.errors import UserError
-from meshtrain.inference import chat
+from meshtrain.data import chat
 from meshtrain.interop import hf_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "meshtrain"
 # light but absent from the GPU machine's package set (experiments/gpu_dryrun.sh): only runs that use them import them.
 HEAVY = {"tokenizers", "sentencepiece", "jax", "jaxlib", "flax", "optax", "orbax", "tensorflow", "tensorflow_datasets",
          "grain", "torch", "transformers", "sklearn", "matplotlib", "PIL", "tensorboardX", "array_record", "jinja2",
-         "scipy", "numpy"}
+         "scipy", "numpy", "pyarrow"}
 COMMAND_MAX_LINES = 150
 FUNCTION_MAX_LINES = 100
 TRAIN_FUNCTION_MAX_LINES = 60

@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from meshtrain.data import sources, tfds_access, tokenizer
+from meshtrain import config as config_lib
+from meshtrain.data import files, sources, tfds_access, tokenizer
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 
@@ -93,7 +94,8 @@ class TfdsSource(sources.Source):
   """Documents of one TFDS split packed into sequences, read by random access."""
 
   def __init__(self, data_source, *, name: str, split: str, text_key: str, seq_len: int, seed: int,
-               shuffle: bool, index_dir: pathlib.Path | None, tok: tokenizer.Tokenizer | None = None):
+               shuffle: bool, index_dir: pathlib.Path | None, tok: tokenizer.Tokenizer | None = None,
+               order_key: str | None = None):
     import grain  # pylint: disable=g-import-not-at-top
 
     self.name, self.split, self.text_key, self.seq_len, self.shuffle = name, split, text_key, seq_len, shuffle
@@ -117,7 +119,7 @@ class TfdsSource(sources.Source):
     self._document = functools.lru_cache(maxsize=DOC_CACHE)(self._read_document)
 
     n = self.num_sequences
-    self._seed = sources.derive_seed("order", seed, name, split)
+    self._seed = sources.derive_seed("order", seed, order_key or name, split)
     order = grain.MapDataset.range(n)  # indices past n wrap: evaluation cycles in plain order
     if shuffle and n >= sources.SMALL_PERMUTATION:
       # Random access, O(1) memory; grain folds the epoch (index // n) into the seed.
@@ -271,6 +273,12 @@ class TfdsSource(sources.Source):
   def example(self, example_index: int) -> np.ndarray:
     return self._examples[example_index]
 
+  def documents(self, example_index: int) -> int:
+    begin = self.sequence_index(example_index) * self.seq_len
+    end = min(begin + self.seq_len + 1, self.num_tokens)
+    first, last = np.searchsorted(self.offsets, [begin, end - 1], side="right") - 1
+    return int(last - first + 1)
+
   def sequence(self, seq_index: int) -> np.ndarray:
     length = self.seq_len + 1
     begin = seq_index * self.seq_len
@@ -317,17 +325,29 @@ def _load_token_cache(offsets_path, tokens_path, count: int, dtype):
 # --- opening text splits -------------------------------------------------------------------------------------
 
 
-def open_split(cfg, split: str):
-  """The TFDS data source of `split` of cfg.data.name (python_stdlib built first if needed), its text feature
-  checked."""
-  data, name = cfg.data, cfg.data.name
-  if name == STDLIB:
-    # stdlib_corpus imports tensorflow_datasets: loaded only when python_stdlib is opened.
-    from meshtrain.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
-    stdlib_corpus.build(data.data_dir)
-  ds = tfds_access.open_tfds(name, split, data.data_dir)
-  tfds_access.check_text_feature(name, ds.dataset_info.features, data.text_key)
+def open_split(cfg, split: str, name: str | None = None):
+  """The TFDS data source of `split` of `name` (default cfg.data.name), its text features checked: a TFDS dataset
+  (python_stdlib built first if needed), or local files (a path or glob: converted once, meshtrain/data/files.py;
+  "train" is what data.eval_fraction does not hold out, "validation" what it does)."""
+  data = cfg.data
+  name = data.name if name is None else name
+  if config_lib.is_path(name):
+    ds = files.open_split(name, split, data, data.eval_fraction)
+  else:
+    if name == STDLIB:
+      # stdlib_corpus imports tensorflow_datasets: loaded only when python_stdlib is opened.
+      from meshtrain.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
+      stdlib_corpus.build(data.data_dir)
+    ds = tfds_access.open_tfds(name, split, data.data_dir)
+  if data.format == "text":
+    tfds_access.check_text_feature(name, ds.dataset_info.features, data.text_key)
   return ds
+
+
+def order_name(name: str, ds) -> str:
+  """The name a source's document order is seeded with: a TFDS name as given; for files, the converted dataset's
+  content key, so that the same files moved elsewhere keep their order."""
+  return ds.dataset_info.name if config_lib.is_path(name) else name
 
 
 class _Texts:
@@ -346,9 +366,14 @@ class _Texts:
         grain.ReadOptions(num_threads=4, prefetch_buffer_size=256)))
 
 
+def bpe_corpus(cfg) -> str:
+  """The dataset a bpe:N tokenizer is trained on: data.name, or a mixture's first source."""
+  return config_lib.parse_mixture(cfg.data.mixture)[0][0] if cfg.data.mixture else cfg.data.name
+
+
 def train_texts(cfg):
   """(texts, dataset info, cache root) of cfg's train split: what `select.tokenizer_for_config` trains a bpe:N on, and
   the TFDS data dir it caches the result under (the user's cache dir where the data has no files, e.g. mocks)."""
-  ds = open_split(cfg, cfg.data.train_split)
+  ds = open_split(cfg, cfg.data.train_split, bpe_corpus(cfg))
   root = tfds_access.index_dir(ds) or pathlib.Path("~/.cache/meshtrain").expanduser()
   return _Texts(ds, cfg.data.text_key), ds.dataset_info, root

@@ -8,7 +8,8 @@ data.format=prompt_completion (sft.py), and otherwise documents packed into sequ
 import re
 import time
 
-from meshtrain.data import images, packing, sources, tfds_access, tokenizer
+from meshtrain import config as config_lib
+from meshtrain.data import images, mixture, packing, sources, tfds_access, tokenizer
 from meshtrain.errors import UserError
 
 
@@ -19,7 +20,7 @@ def tokenizer_for_config(cfg) -> tokenizer.Tokenizer:
   vocab_size = tokenizer.parse_bpe_spec(spec)
   if vocab_size is None:
     return tokenizer.load(spec)
-  if cfg.data.name == sources.SYNTHETIC:
+  if packing.bpe_corpus(cfg) == sources.SYNTHETIC:
     raise UserError(f"data.tokenizer={spec!r} is trained on the dataset's text, and data.name=synthetic has none; "
                     "use data.tokenizer=byte with synthetic data")
   texts, info, cache_root = packing.train_texts(cfg)
@@ -49,22 +50,40 @@ def check_vocab(cfg, tok: tokenizer.Tokenizer) -> None:
 
 def make_source(cfg, split: str, shuffle: bool,
                 tok: tokenizer.Tokenizer | None = None) -> sources.Source | images.ImageSource:
-  """The source for `split` of `cfg.data.name`; shuffle=True: a new permutation each epoch, else plain order.
-  task=dit: an image source (meshtrain/data/images.py; `tok` is not used).
+  """The source for `split` of the data cfg selects; shuffle=True: a new permutation each epoch, else plain order.
+  task=dit: an image source (meshtrain/data/images.py; `tok` is not used). data.mixture: its sources drawn in its
+  proportions (meshtrain/data/mixture.py). The evaluation split (`split` == data.eval_split) of data.eval_name when
+  that is set.
 
   `tok`: the tokenizer (default: the one cfg.data.tokenizer names, trained first if it is bpe:N).
   """
-  data, name = cfg.data, cfg.data.name
+  data = cfg.data
   if cfg.get("task", "lm") == "dit":  # labelled images, not tokens: meshtrain/data/images.py
     return images.make_source(cfg, split, shuffle)
+  if data.eval_name and split == data.eval_split and split != data.train_split:
+    # All of a path's documents (its "train" split: files named for evaluation hold nothing out), or the TFDS split.
+    return _one_source(cfg, data.eval_name, "train" if config_lib.is_path(data.eval_name) else split, shuffle, tok)
+  if not data.mixture:
+    return _one_source(cfg, data.name, split, shuffle, tok)
+  entries = config_lib.parse_mixture(data.mixture)
+  if any(name != sources.SYNTHETIC for name, _ in entries):
+    tok = tok or tokenizer_for_config(cfg)
+  parts = [_one_source(cfg, name, split, shuffle, tok) for name, _ in entries]
+  return mixture.MixtureSource(parts, [w for _, w in entries], [n for n, _ in entries])
+
+
+def _one_source(cfg, name: str, split: str, shuffle: bool, tok) -> sources.Source:
+  """The token source of one dataset `name` (a TFDS name, a path or glob of files, or synthetic)."""
+  data = cfg.data
   if name == sources.SYNTHETIC:  # seq_len > 0 and the rest of the config: config.validate, which every entry point runs
     return sources.SyntheticSource(cfg.seed, split, cfg.seq_len, cfg.model.vocab_size)
   tok = tok or tokenizer_for_config(cfg)
   check_vocab(cfg, tok)
-  if data.format == "prompt_completion":  # one prompt/completion example per row: meshtrain/data/sft.py
-    # sft imports tensorflow_datasets: loaded only for prompt/completion data.
+  if data.format in ("prompt_completion", "chat"):  # one example per row: meshtrain/data/sft.py
+    # sft imports tensorflow_datasets: loaded only for prompt/completion and chat data.
     from meshtrain.data import sft  # pylint: disable=g-import-not-at-top
-    return sft.make_source(cfg, split, shuffle, tok)
-  ds = packing.open_split(cfg, split)
+    return sft.make_source(cfg, name, split, shuffle, tok)
+  ds = packing.open_split(cfg, split, name)
   return packing.TfdsSource(ds, name=name, split=split, text_key=data.text_key, seq_len=cfg.seq_len, seed=cfg.seed,
-                            shuffle=shuffle, index_dir=tfds_access.index_dir(ds), tok=tok)
+                            shuffle=shuffle, index_dir=tfds_access.index_dir(ds), tok=tok,
+                            order_key=packing.order_name(name, ds))

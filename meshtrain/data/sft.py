@@ -13,12 +13,13 @@ completion must not attend to another example's text), and the batch at step k i
 as for the text sources.
 """
 import ast
+import json
 import pathlib
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from meshtrain.data import sources, stdlib_corpus, tfds_access
+from meshtrain.data import chat as chat_lib, packing, sources, stdlib_corpus, tfds_access
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 
@@ -171,15 +172,8 @@ class SftSource(sources.Source):
     return encode_example(self._tok.encode(prompt), self._tok.encode(completion), self.seq_len, self._tok.pad_id,
                           self._tok.eos_id)
 
-  def rows(self, step: int, batch_size: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
-    stop = batch_size if stop is None else stop
-    if step < 0 or not 0 <= start <= stop <= batch_size:
-      raise ValueError(f"bad rows request: step={step}, rows [{start}, {stop}) of a batch of {batch_size}")
-    inputs = np.empty((stop - start, self.seq_len), np.int32)
-    targets = np.empty((stop - start, self.seq_len), np.int32)
-    for row in range(start, stop):
-      inputs[row - start], targets[row - start] = self.pair(self.sequence_index(step * batch_size + row))
-    return {"inputs": inputs, "targets": targets}
+  def example_pair(self, example_index: int) -> tuple[np.ndarray, np.ndarray]:
+    return self.pair(self.sequence_index(example_index))
 
 
 def _text(value) -> str:
@@ -189,16 +183,68 @@ def _text(value) -> str:
   return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def make_source(cfg, split: str, shuffle: bool, tok) -> SftSource:
-  """The prompt/completion source for `split` of cfg.data.name (python_stdlib_sft is built on first use)."""
+def encode_masked(ids: list[int], mask: list[bool], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets), each int32[seq_len], of tokens `ids` whose targets count where `mask` is set: position j
+  predicts token j + 1, trained when that token is masked in. What does not fit in seq_len + 1 tokens is cut at the
+  end; the padding's inputs are `pad_id` and its targets IGNORE_ID."""
+  tokens = np.asarray(ids[:seq_len + 1], np.int32)
+  trained = np.asarray(mask[:seq_len + 1], bool)
+  n = len(tokens)
+  inputs_L = np.full(seq_len, pad_id, np.int32)
+  targets_L = np.full(seq_len, IGNORE_ID, np.int32)
+  inputs_L[:n - 1] = tokens[:-1]
+  targets_L[:n - 1] = np.where(trained[1:], tokens[1:], IGNORE_ID)
+  return inputs_L, targets_L
+
+
+class ChatSource(SftSource):
+  """One conversation per row (a record's data.messages_key: a list of {"role", "content"} messages, or its JSON
+  text), rendered with the tokenizer's chat template; the loss falls on the assistant's tokens only
+  (ChatTemplate.assistant_spans: the template's {% generation %} marks, else each assistant turn with its closing
+  tokens)."""
+
+  def __init__(self, data_source, *, chat, messages_key: str, **kwargs):
+    super().__init__(data_source, prompt_key=messages_key, completion_key=messages_key, **kwargs)
+    self._chat, self.messages_key = chat, messages_key
+
+  def messages(self, seq_index: int) -> list[dict]:
+    value = self._data[seq_index][self.messages_key]
+    return json.loads(_text(value)) if isinstance(value, (str, bytes, np.ndarray)) else value
+
+  def pair(self, seq_index: int) -> tuple[np.ndarray, np.ndarray]:
+    text, spans = self._chat.assistant_spans(self.messages(seq_index))
+    ids, mask = self._chat.encode_masked(text, spans)
+    return encode_masked(ids, mask, self.seq_len, self._tok.pad_id)
+
+
+def chat_template(cfg, tok):
+  """The chat template of the tokenizer cfg.data.tokenizer names (its directory's chat_template.jinja or
+  tokenizer_config.json); UserError saying how to give one."""
+  directory = tok.path.parent if tok.path else None
+  template = chat_lib.ChatTemplate.from_directory(directory, tok) if directory else None
+  if template is None:
+    raise UserError(f"data.format=chat renders each conversation with the tokenizer's chat template, and "
+                    f"data.tokenizer={cfg.data.tokenizer!r} has none; " +
+                    chat_lib.HOW_TO_GIVE_ONE.format(dir=directory or "the tokenizer's directory"))
+  return template
+
+
+def make_source(cfg, name: str, split: str, shuffle: bool, tok) -> SftSource:
+  """The prompt/completion or chat source for `split` of `name` (python_stdlib_sft is built on first use; a path of
+  files is converted on first use)."""
   data = cfg.data
-  if data.name == NAME:
+  if name == NAME:
     build(data.data_dir)
-  ds = tfds_access.open_tfds(data.name, split, data.data_dir)
+  ds = packing.open_split(cfg, split, name)
   features = dict(ds.dataset_info.features.items())
-  for key, value in (("data.prompt_key", data.prompt_key), ("data.completion_key", data.completion_key)):
+  keys = ((("data.messages_key", data.messages_key),) if data.format == "chat" else
+          (("data.prompt_key", data.prompt_key), ("data.completion_key", data.completion_key)))
+  for key, value in keys:
     if value not in features:
-      raise UserError(f"dataset {data.name!r} has no feature {key}={value!r} for data.format=prompt_completion; "
-                      f"its features are: {', '.join(features) or 'none'}")
-  return SftSource(ds, tok=tok, prompt_key=data.prompt_key, completion_key=data.completion_key, seq_len=cfg.seq_len,
-                   seed=cfg.seed, name=data.name, split=split, shuffle=shuffle)
+      raise UserError(f"dataset {name!r} has no feature {key}={value!r} for data.format={data.format}; its features "
+                      f"are: {', '.join(features) or 'none'}")
+  common = dict(tok=tok, seq_len=cfg.seq_len, seed=cfg.seed, name=packing.order_name(name, ds), split=split,
+                shuffle=shuffle)
+  if data.format == "chat":
+    return ChatSource(ds, chat=chat_template(cfg, tok), messages_key=data.messages_key, **common)
+  return SftSource(ds, prompt_key=data.prompt_key, completion_key=data.completion_key, **common)

@@ -52,6 +52,19 @@ class Source:
   def example(self, example_index: int) -> np.ndarray:
     return self.sequence(self.sequence_index(example_index))
 
+  def example_pair(self, example_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets), each int32[seq_len], of global example `example_index`: one row of a batch."""
+    seq = self.example(example_index)
+    inputs = seq[:-1].copy()
+    inputs[inputs < 0] = self.pad_id
+    return inputs, seq[1:].copy()
+
+  def documents(self, example_index: int) -> int:
+    """How many documents (or records) the row of `example_index` reads from: what `python -m meshtrain.data stats`
+    counts."""
+    del example_index
+    return 1
+
   def rows(self, step: int, batch_size: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
     """Rows [start, stop) of the global batch at `step`: {"inputs", "targets"}, each int32[stop - start, L].
 
@@ -61,13 +74,11 @@ class Source:
     if step < 0 or not 0 <= start <= stop <= batch_size:
       raise ValueError(f"bad rows request: step={step}, rows [{start}, {stop}) of a batch of {batch_size}")
     first = step * batch_size
-    seqs = np.empty((stop - start, self.seq_len + 1), np.int32)
+    inputs = np.empty((stop - start, self.seq_len), np.int32)
+    targets = np.empty((stop - start, self.seq_len), np.int32)
     for row in range(start, stop):
-      seqs[row - start] = self.example(first + row)
-    # Contiguous copies: the host-to-device transfer of a strided view would copy it anyway, less visibly.
-    inputs = np.ascontiguousarray(seqs[:, :-1])
-    inputs[inputs < 0] = self.pad_id
-    return {"inputs": inputs, "targets": np.ascontiguousarray(seqs[:, 1:])}
+      inputs[row - start], targets[row - start] = self.example_pair(first + row)
+    return {"inputs": inputs, "targets": targets}
 
 
 class SyntheticSource(Source):

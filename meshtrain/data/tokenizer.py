@@ -11,7 +11,7 @@ the UTF-8 bytes, three specials above them (the module-level constants and funct
 A run keeps its tokenizer in WORKDIR/tokenizer/ (`save_to_workdir`, `from_workdir`) under the usual file names
 (`tokenizer.json` with `tokenizer_config.json` and `special_tokens_map.json`, or `tokenizer.model`), so
 generation, export and resume need no flag; nothing there means bytes. A chat template (`chat_template.jinja`, or the
-`chat_template` of `tokenizer_config.json`: `chat_template(directory)`) travels with them; meshtrain/inference/chat.py
+`chat_template` of `tokenizer_config.json`: `chat_template(directory)`) travels with them; meshtrain/data/chat.py
 renders it. `fingerprint` (sha256 of the file) names
 a tokenizer in checkpoint metadata: a copy or a move of the file is the same tokenizer, another file is not.
 

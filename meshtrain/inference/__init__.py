@@ -3,7 +3,6 @@
   generator.py    Generator (compiled prefill + KV-cache decode), Sampling, Output, and the backend's choice of how
                   the model runs while decoding (meshtrain/kernels on the CPU)
   stream.py       completions printed as they arrive, on process 0 only (the generate command's output)
-  chat.py         chat templates: a --messages conversation rendered and encoded as transformers does
   dit_sampler.py  a DiT's compiled sampler, its labelled grid and raw samples, the training-time SampleHook
   quality.py      the digits judge: sample accuracy and Frechet distance of class-conditional samples
 """

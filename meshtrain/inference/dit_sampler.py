@@ -21,6 +21,8 @@ import ml_collections
 import numpy as np
 
 from meshtrain import config as config_lib, hooks
+from meshtrain.data import digits
+from meshtrain.inference import quality  # imports scikit-learn only when a judge is made
 from meshtrain.errors import UserError
 from meshtrain.runtime import host
 
@@ -200,10 +202,8 @@ class Sampler:
 def judge_for(data_name: str, image_shape):
   """The digits judge (meshtrain/inference/quality.py) for a run on digits, else None: it knows no other dataset's
   classes."""
-  from meshtrain.data import digits  # pylint: disable=g-import-not-at-top
   if data_name != digits.NAME or tuple(image_shape) != digits.IMAGE_SHAPE:
     return None
-  from meshtrain.inference import quality  # pylint: disable=g-import-not-at-top  # scikit-learn, when on digits
   return quality.judge()
 
 

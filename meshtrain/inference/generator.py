@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from meshtrain import config as config_lib, runtime
+from meshtrain.data import tokenizer as tokenizer_lib
 from meshtrain.errors import UserError
 
 # Decode runs at least this many rows (the rest padding). With one row XLA's CPU backend drops the unit batch
@@ -198,7 +199,6 @@ class Generator:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     from meshtrain import mesh as mesh_lib, sharding
-    from meshtrain.data import tokenizer as tokenizer_lib
     from meshtrain.models.llama import DenseProducts, ModelConfig, Transformer
     if not isinstance(model_cfg, ModelConfig):
       model_cfg = ModelConfig.from_config(model_cfg)
@@ -256,7 +256,6 @@ class Generator:
     replaces the run's compute dtype (model.dtype, e.g. bfloat16), not the stored parameters'."""
     import jax  # after runtime.start (module docstring)
     from meshtrain import checkpoint, mesh as mesh_lib, sharding
-    from meshtrain.data import tokenizer as tokenizer_lib
     if mesh is None:
       mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
     if tokenizer is None:  # the run's own, checked against the checkpoint's record of it before any restore

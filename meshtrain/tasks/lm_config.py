@@ -6,7 +6,7 @@ from meshtrain.errors import UserError
 # Fields that decide the shape of the train state: a checkpoint is only compatible when all of them match.
 SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                 "num_experts", "tie_embeddings", "attention_bias", "qk_norm", "scan_layers", "param_dtype")
-DATA_FORMATS = ("text", "prompt_completion")  # meshtrain/data/packing.py and meshtrain/data/sft.py
+DATA_FORMATS = ("text", "prompt_completion", "chat")  # meshtrain/data/packing.py and meshtrain/data/sft.py
 REMAT_POLICIES = ("none", "full", "save_dots")  # meshtrain/models/llama.py's policies by these names
 INITS = ("normal", "fan_in")  # meshtrain/models/params.py (not imported here: it pulls in JAX)
 ATTENTION = ("auto", "blocked", "xla", "cudnn")  # meshtrain/models/attention.py (likewise)
@@ -96,14 +96,27 @@ def check_text_data(cfg) -> None:
   if data.name == "python_stdlib_sft" and data.format != "prompt_completion":
     raise UserError("data.name=python_stdlib_sft holds prompt/completion pairs, not documents; set "
                     "data.format=prompt_completion (or use data.name=python_stdlib for the same files as text)")
+  if not 0 <= data.eval_fraction < 1:
+    raise UserError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1): the fraction of your files' documents "
+                    "held out for evaluation (0.01 = 1%)")
+  names = [n for n, _ in config_lib.parse_mixture(data.mixture)] if data.mixture else [data.name]
+  if data.format == "chat":
+    if not data.messages_key.strip():
+      raise UserError("data.messages_key is empty; name the record key holding the list of messages (default "
+                      "messages)")
+    if str(data.tokenizer) == "byte" or str(data.tokenizer).startswith("bpe:"):
+      raise UserError(f"data.format=chat renders each conversation with the tokenizer's chat template, and "
+                      f"data.tokenizer={data.tokenizer!r} has none; use the tokenizer of a converted model "
+                      "(--config.data.tokenizer=WORKDIR/tokenizer, or model.preset=init_from, which adopts it)")
+  if data.format in ("prompt_completion", "chat") and "synthetic" in names:
+    raise UserError(f"data.format={data.format} needs records with prompts and completions (or messages), and "
+                    "synthetic has none; use your files, python_stdlib_sft (built locally) or a TFDS dataset with "
+                    "such features")
   if data.format == "prompt_completion":
     if str(data.tokenizer).startswith("bpe:"):
       raise UserError(f"data.tokenizer={data.tokenizer!r} trains a tokenizer on a text dataset, and "
                       "data.format=prompt_completion data is for fine-tuning: use the tokenizer of the model in "
                       "init_from (--config.data.tokenizer=WORKDIR/tokenizer) or byte")
-    if data.name == "synthetic":
-      raise UserError("data.format=prompt_completion needs a dataset with prompts and completions, and synthetic has "
-                      "none; use data.name=python_stdlib_sft (built locally) or a TFDS dataset with such features")
     if not data.prompt_key.strip() or not data.completion_key.strip() or data.prompt_key == data.completion_key:
       raise UserError(f"data.prompt_key={data.prompt_key!r} and data.completion_key={data.completion_key!r} must name "
                       "two different features of the dataset (python_stdlib_sft: prompt and completion)")

@@ -19,6 +19,7 @@ tokenizer_config.json says split_special_tokens.
 Nothing here imports JAX or jinja2 at import time: `python -m meshtrain.generate` checks a --messages file before
 the runtime starts, and jinja2 is imported when a template is compiled.
 """
+import contextvars
 import dataclasses
 import datetime
 import functools
@@ -32,6 +33,8 @@ from meshtrain.errors import UserError
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' aliases of a message's reasoning: the first present fills `reasoning_content` and `thinking`.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# (rendered blocks, spans) while ChatTemplate.assistant_spans renders; None otherwise (the generation tag's body).
+_TRACKING = contextvars.ContextVar("meshtrain_chat_tracking", default=None)
 HOW_TO_GIVE_ONE = ("put one into {dir}/chat_template.jinja (a Jinja chat template, as transformers'), or convert a "
                    "model that has one (python -m meshtrain.convert from-hf)")
 
@@ -175,18 +178,75 @@ class ChatTemplate:
              **variables) -> str:
     """The conversation as text, as transformers renders it; UserError for a template that raises (its
     raise_exception message), does not compile, or fails on this conversation (e.g. adds a string to a number)."""
+    return self._render(messages, tools, add_generation_prompt, variables, None)
+
+  def _render(self, messages, tools, add_generation_prompt, variables, generation_spans: list | None) -> str:
+    """render(); with `generation_spans` a list, the [start, end) of each `{% generation %}` block's text in the
+    result are appended to it (transformers' AssistantTracker)."""
     import jinja2  # only where a template is rendered
     messages = [with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
     try:
-      return compile_template(self.template(tools)).render(
-          messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-          **{**self.special_tokens, **variables})
+      template = compile_template(self.template(tools))
+      values = dict(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                    **{**self.special_tokens, **variables})
+      if generation_spans is None:
+        return template.render(**values)
+      blocks = []
+      token = _TRACKING.set((blocks, generation_spans))
+      try:
+        blocks.extend(template.generate(**values))  # generate(): the blocks so far are what a span's start counts
+      finally:
+        _TRACKING.reset(token)
+      return "".join(blocks)
     except jinja2.TemplateError as e:
       raise UserError(f"the chat template ({self.source}) refused the conversation: "
                       f"{type(e).__name__ + ': ' if type(e) is not jinja2.TemplateError else ''}{e}") from e
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
       raise UserError(f"the chat template ({self.source}) failed on the conversation: {type(e).__name__}: "
                       f"{e}") from e
+
+  def assistant_spans(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """(the whole conversation rendered, [start, end) of each stretch of it the assistant wrote): what a chat
+    fine-tune trains on. A template that marks them with `{% generation %}` says where they are (transformers'
+    return_assistant_tokens_mask reads the same marks); otherwise assistant message k spans from the end of the
+    conversation before it rendered with the generation prompt to the end of the conversation through it, the
+    turn's closing tokens included (so the model learns to end its turn). UserError when the template does not
+    render conversations that way (an earlier turn rendered differently once later turns follow)."""
+    spans = []
+    text = self._render(messages, tools, False, {}, spans)
+    if spans:
+      return text, [tuple(span) for span in spans]
+    for k, message in enumerate(messages):
+      if message.get("role") != "assistant":
+        continue
+      before = self._render(messages[:k], tools, True, {}, None)
+      through = self._render(messages[:k + 1], tools, False, {}, None)
+      if not (text.startswith(through) and through.startswith(before)):
+        raise UserError(f"the chat template ({self.source}) renders the conversation up to assistant message {k} "
+                        "differently once later messages follow, so the assistant's text cannot be located; add "
+                        "{% generation %}...{% endgeneration %} around the assistant's content in the template (as "
+                        "transformers' return_assistant_tokens_mask requires)")
+      spans.append((len(before), len(through)))
+    return text, spans
+
+  def encode_masked(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """(ids of `text` as encode() gives them, whether each token overlaps one of `spans`): transformers'
+    assistant mask, found without token offsets by encoding the text before each span boundary (a token that
+    straddles a boundary overlaps the span, as in transformers)."""
+    ids = self.encode(text)
+    mask = [False] * len(ids)
+    for start, end in spans:
+      first = self._tokens_before(ids, text[:start], straddling=False)
+      last = self._tokens_before(ids, text[:end], straddling=True)
+      mask[first:last] = [True] * (last - first)
+    return ids, mask
+
+  def _tokens_before(self, ids: list[int], prefix: str, straddling: bool) -> int:
+    """How many leading tokens of `ids` lie within `prefix` (its length in tokens where it ends at a token
+    boundary); where a token straddles the prefix's end, it counts when `straddling`."""
+    head = self.encode(prefix)
+    common = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
+    return common if common == len(head) or not straddling else common + 1
 
   def encode(self, text: str) -> list[int]:
     """Token ids of rendered text, as transformers' apply_chat_template(tokenize=True): nothing added, special-token
@@ -213,7 +273,13 @@ def compile_template(source: str):
       return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller):
-      return caller()
+      text = caller()
+      tracking = _TRACKING.get()
+      if tracking is not None:  # ChatTemplate.assistant_spans is rendering: note where this block's text lies
+        blocks, spans = tracking
+        start = len("".join(blocks))
+        spans.append((start, start + len(text)))
+      return text
 
   class Namespace(jinja2.utils.Namespace):
     """namespace() refusing underscore attributes, as transformers' sandbox does."""
