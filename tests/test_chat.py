@@ -500,3 +500,47 @@ def test_generate_refusals_exit_2_before_the_runtime_starts(converted, dirs, tmp
     assert run_generate(["--workdir", str(w), *args, "--json"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
+
+
+# --- the assistant's tokens: what a chat fine-tune (data.format=chat) trains on ---
+
+GENERATION_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                       "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}"
+                       "<|im_end|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                       "{% endif %}")
+TWO_ANSWERS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def main():\n    pass"},
+               {"role": "assistant", "content": "A function that does nothing."},
+               {"role": "user", "content": "ünïcödé ✓ 日本"}, {"role": "assistant", "content": " Unicode, twice ✓ "}]
+
+
+def test_assistant_mask_is_transformers_return_assistant_tokens_mask(dirs, tmp_path):
+  directory = tmp_path / "marked"
+  shutil.copytree(dirs["qwen2.5"], directory)
+  config = json.loads((directory / "tokenizer_config.json").read_text())
+  (directory / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=GENERATION_TEMPLATE)))
+  mine = ours(directory)
+  text, spans = mine.assistant_spans(TWO_ANSWERS)
+  ids, mask = mine.encode_masked(text, spans)
+  out = theirs(directory).apply_chat_template(TWO_ANSWERS, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+  assert ids == out["input_ids"] and mask == [bool(m) for m in out["assistant_masks"]]
+  assert [text[s:e] for s, e in spans] == ["A function that does nothing.<|im_end|>", " Unicode, twice ✓ <|im_end|>"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_assistant_turns_of_unmarked_templates(dirs, family):
+  """Published templates have no {% generation %} marks: each assistant turn is located by rendering the
+  conversation before it (with the generation prompt) and through it; the text and ids are transformers'."""
+  messages = [m for m in TWO_ANSWERS if m["role"] != "system" or family not in ("gemma", "mistral")]
+  mine = ours(dirs[family])
+  text, spans = mine.assistant_spans(messages)
+  assert text == theirs(dirs[family]).apply_chat_template(messages, tokenize=False)
+  answers = [m["content"] for m in messages if m["role"] == "assistant"]
+  for (start, end), answer in zip(spans, answers, strict=True):
+    # The turn: its content (as the template writes it: some strip it) and the closing tokens after it.
+    assert answer.strip() in text[start:end] and text[start:end].rstrip().endswith(
+        {"qwen2.5": "<|im_end|>", "llama-3.2": "<|eot_id|>", "mistral": "</s>", "gemma": "<end_of_turn>"}[family])
+  ids, mask = mine.encode_masked(text, spans)
+  assert ids == theirs(dirs[family]).apply_chat_template(messages, tokenize=True, return_dict=False)
+  trained = [i for i, m in zip(ids, mask) if m]
+  assert "".join(mine.tokenizer.decode(trained).split()) == "".join("".join(answers).split())

@@ -26,6 +26,7 @@ manifest, and written to the run's metrics as data/skipped_records).
 pyarrow (a dependency of tensorflow-datasets) reads .parquet files and `datasets` directories; `datasets` itself is
 not needed. TFDS, array_record and pyarrow are imported only when files are converted or opened.
 """
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -442,6 +443,9 @@ def _convert_into_place(corpus: Corpus, fields: Fields, eval_fraction: float, sk
           f"{docs['train']} training and {docs['validation']} held-out documents", flush=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+    if not corpus.version_dir.exists():
+      with contextlib.suppress(OSError):  # not empty: another process's conversion is under way there
+        corpus.version_dir.parent.rmdir()
 
 
 def open_split(spec: str, split: str, data, eval_fraction: float):

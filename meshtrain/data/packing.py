@@ -22,6 +22,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import time
 
 import numpy as np
@@ -153,6 +154,15 @@ class TfdsSource(sources.Source):
     tokens_path = path.with_name(path.name.replace(".offsets.npy", ".tokens.bin"))
     dtype = np.dtype(self.tok.token_dtype)
     loaded = _load_token_cache(path, tokens_path, count, dtype)
+    shares = _process_count()
+    if shares > 1 and _all_processes(loaded is not None):
+      return loaded
+    if shares > 1:  # every process of the job encodes a share of the documents, then they are joined
+      try:
+        return self._build_token_cache_in_shares(data_source, path, tokens_path, dtype, shares)
+      except OSError as e:
+        log.warning("could not write the token stream's shares beside %s (%s); this process encodes it whole",
+                    tokens_path, e)
     if loaded is not None:
       return loaded
     try:
@@ -172,14 +182,51 @@ class TfdsSource(sources.Source):
       raise RuntimeError(f"the token cache {tokens_path} just written does not read back")
     return loaded
 
-  def _write_token_cache(self, data_source, path: pathlib.Path, tokens_path: pathlib.Path, dtype) -> None:
+  def _build_token_cache_in_shares(self, data_source, path, tokens_path, dtype, shares: int):
+    """The token cache built by all `shares` processes of the job: process i encodes documents [i * count // shares,
+    (i + 1) * count // shares) into its own part files, the processes wait for each other, and the parts are joined
+    into the cache one process would have written (byte for byte: the same documents, in order, with the same
+    tokenizer). Where a part is not visible here (a data dir that is not shared between hosts) this process encodes
+    it too, so each host ends with the whole cache."""
+    count = len(data_source)
+    me = _process_index()
+    bounds = [count * i // shares for i in range(shares + 1)]
+
+    def part(i, what):
+      return path.with_name(f"{path.name}.part{i}of{shares}.{what}")
+
+    if not part(me, "offsets.npy").exists():
+      self._write_token_cache(_Slice(data_source, bounds[me], bounds[me + 1]), part(me, "offsets.npy"),
+                              part(me, "tokens.bin"), dtype, share=f"share {me + 1} of {shares}")
+    _all_processes(True)  # a barrier: every process has written its part
+    with tfds_access.file_lock(path.with_name(f".{path.name}.lock")):
+      loaded = _load_token_cache(path, tokens_path, count, dtype)
+      if loaded is None:
+        for i in range(shares):
+          if not part(i, "offsets.npy").exists():  # not shared with the host that wrote it
+            self._write_token_cache(_Slice(data_source, bounds[i], bounds[i + 1]), part(i, "offsets.npy"),
+                                    part(i, "tokens.bin"), dtype, share=f"share {i + 1} of {shares}")
+        _join_parts([part(i, "offsets.npy") for i in range(shares)], [part(i, "tokens.bin") for i in range(shares)],
+                    path, tokens_path)
+        loaded = _load_token_cache(path, tokens_path, count, dtype)
+    _all_processes(True)  # every process has the joined cache open before any part is removed
+    if me == 0:
+      for i in range(shares):
+        part(i, "offsets.npy").unlink(missing_ok=True)
+        part(i, "tokens.bin").unlink(missing_ok=True)
+    if loaded is None:
+      raise RuntimeError(f"the token cache {tokens_path} just joined does not read back")
+    return loaded
+
+  def _write_token_cache(self, data_source, path: pathlib.Path, tokens_path: pathlib.Path, dtype,
+                         share: str = "") -> None:
     """The split's token stream into tokens_path, then its offsets into `path`: each written aside and renamed,
     the offsets last, so offsets present mean the tokens beside them are whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_tokens = tokens_path.with_name(f"{tokens_path.name}.tmp{os.getpid()}")
     try:
       with open(tmp_tokens, "wb") as f:
-        offsets = self._encode_split(data_source, f, dtype)
+        offsets = self._encode_split(data_source, f, dtype, share)
       os.replace(tmp_tokens, tokens_path)
     finally:
       tmp_tokens.unlink(missing_ok=True)  # an interrupted pass leaves nothing behind
@@ -188,15 +235,15 @@ class TfdsSource(sources.Source):
       np.save(f, offsets)
     os.replace(tmp, path)
 
-  def _encode_split(self, data_source, out, dtype) -> np.ndarray:
+  def _encode_split(self, data_source, out, dtype, share: str = "") -> np.ndarray:
     """Writes every document's tokens and an EOS to the binary file `out`; returns the offsets. Grain threads read
     and decode the records while the tokenizer encodes batches of them on its own threads."""
     import grain  # pylint: disable=g-import-not-at-top
 
     count = len(data_source)
     # Printed, not logged: the first run of a new tokenizer waits here (a minute or two for python_stdlib).
-    print(f"tokenizing {count} documents of {self.name}/{self.split} with the {self.tok.kind} tokenizer "
-          f"({self.tok.vocab_size} ids) once; the token stream is cached", flush=True)
+    print(f"tokenizing {count} documents{f' ({share})' if share else ''} of {self.name}/{self.split} with the "
+          f"{self.tok.kind} tokenizer ({self.tok.vocab_size} ids) once; the token stream is cached", flush=True)
     texts = (grain.MapDataset.source(data_source).map(_DocumentText(self.text_key)).batch(ENCODE_BATCH,
              batch_fn=list).to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)))
     sizes = np.zeros(count + 1, np.int64)
@@ -305,6 +352,58 @@ class _EncodedDocuments:
 
   def __getitem__(self, doc: int) -> np.ndarray:
     return np.append(self._tok.encode(self._text(self._source[doc])), self._tok.eos_id).astype(np.int32)
+
+
+class _Slice:
+  """Records [begin, end) of a data source, as a data source (what one process's share of the tokenizing reads)."""
+
+  def __init__(self, data_source, begin: int, end: int):
+    self._source, self._begin, self._end = data_source, begin, end
+
+  def __len__(self):
+    return self._end - self._begin
+
+  def __getitem__(self, i):
+    if not 0 <= i < len(self):
+      raise IndexError(i)
+    return self._source[self._begin + i]
+
+
+def _process_count() -> int:
+  import jax  # pylint: disable=g-import-not-at-top  # a training process has it loaded; `data stats` runs without
+  return jax.process_count()
+
+
+def _process_index() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_index()
+
+
+def _all_processes(value: bool) -> bool:
+  """Whether `value` holds on every process of the job: an all-gather, so also a barrier."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.all(multihost_utils.process_allgather(np.array([value]))))
+
+
+def _join_parts(offsets_paths, tokens_paths, path: pathlib.Path, tokens_path: pathlib.Path) -> None:
+  """The parts' token streams, concatenated, into tokens_path and their offsets, shifted, into `path`: each
+  written aside and renamed, the offsets last (as _write_token_cache)."""
+  tmp_tokens = tokens_path.with_name(f"{tokens_path.name}.tmp{os.getpid()}")
+  parts = [np.load(p) for p in offsets_paths]
+  try:
+    with open(tmp_tokens, "wb") as out:
+      for part in tokens_paths:
+        with open(part, "rb") as f:
+          shutil.copyfileobj(f, out, 16 << 20)
+    os.replace(tmp_tokens, tokens_path)
+  finally:
+    tmp_tokens.unlink(missing_ok=True)
+  shift = np.cumsum([0] + [int(p[-1]) for p in parts[:-1]])
+  offsets = np.concatenate([[0]] + [p[1:] + s for p, s in zip(parts, shift)]).astype(np.int64)
+  tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+  with open(tmp, "wb") as f:
+    np.save(f, offsets)
+  os.replace(tmp, path)
 
 
 def _load_token_cache(offsets_path, tokens_path, count: int, dtype):

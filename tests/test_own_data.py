@@ -1,0 +1,350 @@
+"""Your own data: local .jsonl/.json/.parquet/.txt files and `datasets` directories as TFDS datasets (content-keyed,
+converted once, safely from several processes), the held-out split, mixtures, chat rows, bad input, `python -m
+meshtrain.data stats/show`, and the tokenizing pass split across processes."""
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import two_processes
+
+from meshtrain import config as config_lib, train
+from meshtrain.data import files, mixture, packing, select, sft, stats, tokenizer
+from meshtrain.errors import UserError
+from meshtrain.step import IGNORE_ID
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# Documents of varied length and script; two are duplicates (they must land in the same split).
+DOCS = [f"document {i}: " + "word " * (i % 17) + "ünïcödé ✓ 日本\n" for i in range(300)] + ["twice"] * 2
+CHAT_TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {% if m['role'] == 'assistant' %}"
+                 "{% generation %}{{ m['content'] }}<|endoftext|>{% endgeneration %}{% else %}{{ m['content'] }}"
+                 "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|begin_of_text|>assistant: {% endif %}")
+
+
+def write_jsonl(path: pathlib.Path, records) -> pathlib.Path:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+  return path
+
+
+def make_cfg(tmp_path, name="", *overrides, **fields):
+  cfg = config_lib.load(str(REPO / "configs" / "tiny.py"), [
+      f"--config.data.data_dir={tmp_path / 'tfds'}", "--config.seq_len=32", "--config.batch_size=8",
+      *([f"--config.data.name={name}"] if name else []), *overrides])
+  cfg.unlock()
+  for key, value in fields.items():
+    cfg.data[key] = value
+  return cfg
+
+
+def split_texts(cfg, split, name=None, key="text"):
+  ds = packing.open_split(cfg, split, name)
+  return [ds[i][key].decode("utf-8") for i in range(len(ds))]
+
+
+def converted_dirs(tmp_path):
+  root = tmp_path / "tfds" / "meshtrain_files"
+  return sorted(p.name for p in root.glob("files_*")) if root.exists() else []
+
+
+# --- formats --------------------------------------------------------------------------------------------------
+
+
+def write_every_format(root: pathlib.Path) -> dict[str, str]:
+  """DOCS in each format meshtrain reads; data.name of each."""
+  import datasets
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  records = [{"text": d, "id": i} for i, d in enumerate(DOCS)]
+  write_jsonl(root / "jsonl" / "a.jsonl", records[:100])
+  write_jsonl(root / "jsonl" / "sub" / "b.jsonl", records[100:])
+  (root / "array").mkdir(parents=True)
+  (root / "array" / "all.json").write_text(json.dumps(records), encoding="utf-8")
+  write_jsonl(root / "lines" / "all.json", records)  # what datasets' to_json writes: JSON lines named .json
+  (root / "parquet").mkdir()
+  table = pa.table({"id": [r["id"] for r in records], "text": DOCS})
+  pq.write_table(table.slice(0, 150), root / "parquet" / "a.parquet", row_group_size=40)
+  pq.write_table(table.slice(150), root / "parquet" / "b.parquet", row_group_size=40)
+  (root / "txt").mkdir()
+  for i, d in enumerate(DOCS):
+    (root / "txt" / f"{i:03d}.txt").write_text(d, encoding="utf-8")
+  datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))}).save_to_disk(
+      str(root / "hf"), max_shard_size="20KB")
+  return {"jsonl glob": str(root / "jsonl" / "**" / "*.jsonl"), "json array": str(root / "array" / "all.json"),
+          "json lines": str(root / "lines"), "parquet": str(root / "parquet" / "*.parquet"),
+          "txt": str(root / "txt"), "datasets": str(root / "hf")}
+
+
+def test_every_format_converts_to_the_same_documents_and_split(tmp_path):
+  names = write_every_format(tmp_path / "src")
+  cfg = make_cfg(tmp_path, eval_fraction=0.1)
+  held_out = {}
+  for label, name in names.items():
+    train_docs, eval_docs = split_texts(cfg, "train", name), split_texts(cfg, "validation", name)
+    assert sorted(train_docs + eval_docs) == sorted(DOCS), label
+    held_out[label] = sorted(eval_docs)
+  # The split is a hash of each document's content: the same documents are held out whatever the format, about
+  # eval_fraction of them, and a document's duplicates go with it.
+  first = held_out["jsonl glob"]
+  assert all(v == first for v in held_out.values()) and 0.04 * len(DOCS) < len(first) < 0.2 * len(DOCS)
+  assert first.count("twice") in (0, 2)
+  assert len(converted_dirs(tmp_path)) == len(names)
+
+
+def test_conversion_is_keyed_by_content_and_done_once(tmp_path, capsys):
+  src = write_jsonl(tmp_path / "a" / "corpus.jsonl", [{"text": d} for d in DOCS])
+  cfg = make_cfg(tmp_path)
+  split_texts(cfg, "train", str(src))
+  assert "converted" in capsys.readouterr().out
+  [first] = converted_dirs(tmp_path)
+  moved = tmp_path / "elsewhere" / "renamed.jsonl"
+  moved.parent.mkdir()
+  src.rename(moved)
+  assert split_texts(cfg, "train", str(moved)) and "converted" not in capsys.readouterr().out
+  assert converted_dirs(tmp_path) == [first]  # a moved file is the same corpus
+  with open(moved, "a", encoding="utf-8") as f:
+    f.write(json.dumps({"text": "one more document"}) + "\n")
+  assert "one more document" in split_texts(cfg, "train", str(moved)) + split_texts(cfg, "validation", str(moved))
+  assert len(converted_dirs(tmp_path)) == 2  # an edited one is converted again
+
+
+def test_concurrent_conversions_make_one_dataset(tmp_path):
+  src = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d * 50} for d in DOCS])
+  script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from test_own_data import make_cfg, split_texts; "
+            f"import pathlib; print(len(split_texts(make_cfg(pathlib.Path({str(tmp_path)!r})), 'train', "
+            f"{str(src)!r})))")
+  env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+  procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for _ in range(3)]
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0, 0], outs
+  counts = {out.strip().splitlines()[-1] for out in outs}
+  assert len(counts) == 1 and int(counts.pop()) > 250
+  assert len(converted_dirs(tmp_path)) == 1
+  assert sum("converted" in out for out in outs) == 1  # one converted, the others waited and read it
+  leftovers = [p for p in (tmp_path / "tfds" / "meshtrain_files").rglob("*") if ".tmp" in p.name]
+  assert leftovers == []
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+BAD_CASES = {
+    "malformed": (b'{"text": "fine"}\n{"text": "broken\n', r"bad\.jsonl:2: not valid JSON"),
+    "missing key": (b'{"text": "fine"}\n{"body": "x", "id": 1}\n', r"bad\.jsonl:2: the record has no key 'text' "
+                                                                    r"\(its keys: 'body', 'id'\)"),
+    "not utf-8": (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"bad\.jsonl:2: not UTF-8 at byte offset 30"),
+    "not text": (b'{"text": "fine"}\n{"text": 3}\n', r"bad\.jsonl:2: 'text' holds int, not text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_record_names_file_and_line_and_leaves_nothing(tmp_path, case):
+  content, message = BAD_CASES[case]
+  (tmp_path / "bad.jsonl").write_bytes(content + b'{"text": "after"}\n' * 3)
+  cfg = make_cfg(tmp_path, eval_fraction=0.0)
+  with pytest.raises(UserError, match=message + ".*data.skip_bad_records=true"):
+    split_texts(cfg, "train", str(tmp_path / "bad.jsonl"))
+  assert converted_dirs(tmp_path) == [] and not list((tmp_path / "tfds" / "meshtrain_files").rglob("*.array_record*"))
+  # Skipped and counted instead, when asked.
+  cfg = make_cfg(tmp_path, eval_fraction=0.0, skip_bad_records=True)
+  assert split_texts(cfg, "train", str(tmp_path / "bad.jsonl")) == ["fine", "after", "after", "after"]
+  corpus, manifest = files.prepare(str(tmp_path / "bad.jsonl"), cfg.data, 0.0)
+  assert manifest["skipped_records"] == 1
+
+
+def test_bad_paths_and_empty_corpora(tmp_path):
+  cfg = make_cfg(tmp_path)
+  with pytest.raises(UserError, match=r"'\S*nothing/\*\.jsonl' is a glob that matches no file"):
+    split_texts(cfg, "train", str(tmp_path / "nothing" / "*.jsonl"))
+  (tmp_path / "empty.jsonl").write_text("\n\n")
+  with pytest.raises(UserError, match="empty training corpus: it holds no records"):
+    split_texts(cfg, "train", str(tmp_path / "empty.jsonl"))
+  write_jsonl(tmp_path / "bad" / "x.jsonl", [{"text": 1}])
+  with pytest.raises(UserError, match="all 1 records were bad"):
+    split_texts(make_cfg(tmp_path, skip_bad_records=True), "train", str(tmp_path / "bad" / "x.jsonl"))
+  (tmp_path / "data.csv").write_text("text\nhello\n")
+  with pytest.raises(UserError, match=r"suffix '\.csv' is not one of \.jsonl, \.json, \.parquet, \.txt"):
+    split_texts(cfg, "train", str(tmp_path / "data.csv"))
+  write_jsonl(tmp_path / "small.jsonl", [{"text": "a"}, {"text": "b"}])
+  with pytest.raises(UserError, match="data.eval_fraction=0.01 holds out none of the 2 documents"):
+    split_texts(cfg, "validation", str(tmp_path / "small.jsonl"))
+  assert converted_dirs(tmp_path) == [files.resolve(str(tmp_path / "small.jsonl"), cfg.data, 0.01).name]
+
+
+def test_cli_bad_input_is_one_line_with_exit_2(tmp_path):
+  (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": \n')
+  for extra, expected in [([f"--config.data.name={tmp_path / 'bad.jsonl'}"], "bad.jsonl:2: not valid JSON"),
+                          (["--config.data.mixture=python_stdlib=1,x"], "entry 'x' is not SRC=WEIGHT"),
+                          (["--config.data.format=chat"], "has none; use the tokenizer of a converted model")]:
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.data", "stats", "--config", "configs/tiny.py",
+                           f"--config.data.data_dir={tmp_path / 'tfds'}", *extra], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert expected in line
+
+
+# --- mixtures, stats, show ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_corpora(tmp_path_factory):
+  root = tmp_path_factory.mktemp("corpora")
+  write_jsonl(root / "a.jsonl", [{"text": "A" * (10 + i)} for i in range(200)])
+  write_jsonl(root / "b" / "b.jsonl", [{"text": "B" * (50 + i)} for i in range(200)])
+  return root
+
+
+def test_mixture_draws_exact_proportions_as_a_pure_function_of_step(two_corpora, tmp_path):
+  spec = f"{two_corpora / 'a.jsonl'}=3,{two_corpora / 'b' / '*.jsonl'}=1"
+  cfg = make_cfg(tmp_path, "", f"--config.data.mixture={spec}")
+  src = select.make_source(cfg, "train", shuffle=True)
+  assert isinstance(src, mixture.MixtureSource)
+  for step in range(4):
+    rows = src.rows(step, 8)
+    firsts = set(rows["inputs"][:, 0].tolist())
+    kinds = [chr(int(x)) for x in rows["inputs"][:, 0]]
+    # Packed rows of A-only and B-only documents: each row is all A or all B (or EOS-separated runs of one).
+    assert firsts <= {ord("A"), ord("B"), tokenizer.EOS_ID} and kinds.count("A") + kinds.count("B") >= 7
+    assert sorted(src.source_of(step * 8 + r)[0] for r in range(8)) == [0] * 6 + [1] * 2
+    # Any process's slice of the batch is the same rows, and a fresh source (a resumed run) reads the same.
+    again = select.make_source(cfg, "train", shuffle=True)
+    for key in rows:
+      np.testing.assert_array_equal(np.concatenate([again.rows(step, 8, 0, 3)[key], again.rows(step, 8, 3, 8)[key]]),
+                                    rows[key])
+  result = stats.stats(cfg, 4)
+  a, b = result["sources"].values()
+  assert (a["rows"], b["rows"]) == (24, 8) and a["share"] == pytest.approx(0.75) and b["share"] == pytest.approx(0.25)
+  # Bytes per token: the byte tokenizer's 1, less the EOS ids between documents (no bytes).
+  assert a["padding"] == 0 and 0.9 < a["bytes_per_token"] < 1 and a["documents"] > b["documents"]
+
+
+def test_mixture_with_tfds_and_eval_name(two_corpora, tmp_path):
+  cfg = make_cfg(tmp_path, "", f"--config.data.mixture=python_stdlib=1,{two_corpora / 'a.jsonl'}=1",
+                 f"--config.data.eval_name={two_corpora / 'b'}")
+  assert len(select.make_source(cfg, "train", shuffle=True).parts) == 2
+  evaluation = select.make_source(cfg, cfg.data.eval_split, shuffle=False)
+  assert set(evaluation.rows(0, 8)["inputs"][:, :40].ravel().tolist()) <= {ord("B"), tokenizer.EOS_ID}
+
+
+def test_stats_and_show_commands(two_corpora, tmp_path):
+  base = [sys.executable, "-m", "meshtrain.data"]
+  common = ["--config", "configs/tiny.py", f"--config.data.data_dir={tmp_path / 'tfds'}", "--config.batch_size=4",
+            f"--config.data.mixture={two_corpora / 'a.jsonl'}=1,{two_corpora / 'b' / 'b.jsonl'}=1"]
+  out = subprocess.run([*base, "stats", *common, "--steps", "3", "--json"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, check=True).stdout
+  sources = json.loads(out.strip().splitlines()[-1])["sources"]
+  assert len(sources) == 2 and all({"documents", "tokens", "share"} <= s.keys() for s in sources.values())
+  assert [s["share"] for s in sources.values()] == [0.5, 0.5]
+  table = subprocess.run([*base, "stats", *common, "--steps", "3"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+  assert "bytes/token" in table and "a.jsonl" in table
+  shown = subprocess.run([*base, "show", *common, "--rows", "2"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+  assert shown.count("--- row") == 2 and "AAAA" in shown and "⟦" in shown
+
+
+# --- chat rows ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("chat_tok")
+  tokenizer.train_bpe(DOCS * 3 + ["user: assistant: system:"], 400, directory)
+  (directory / tokenizer.CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
+  return directory
+
+
+CONVERSATIONS = [
+    {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} ✓"},
+                  {"role": "user", "content": "again?"}, {"role": "assistant", "content": "yes" * (i % 3 + 1)}]}
+    for i in range(40)]
+
+
+def test_chat_rows_train_on_the_assistant_only(chat_tokenizer, tmp_path):
+  write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+  cfg = make_cfg(tmp_path, str(tmp_path / "chat.jsonl"), "--config.data.format=chat",
+                 f"--config.data.tokenizer={chat_tokenizer}", "--config.model.vocab_size=512", "--config.seq_len=128",
+                 eval_fraction=0.0)
+  src = select.make_source(cfg, "train", shuffle=False)
+  assert isinstance(src, sft.ChatSource)
+  tok = tokenizer.load(chat_tokenizer)
+  for i in range(len(CONVERSATIONS)):
+    inputs, targets = src.pair(i)
+    messages = src.messages(i)
+    trained = tok.decode(targets[targets != IGNORE_ID])
+    assistant = "".join(m["content"] + "<|endoftext|>" for m in messages if m["role"] == "assistant")
+    assert trained == assistant.replace("<|endoftext|>", "")  # decode() drops specials; the EOS ids are trained:
+    assert int(np.sum(targets == tok.eos_id)) == 2
+    assert tok.decode(inputs[inputs != tok.pad_id]).startswith("user: question")
+  # A conversation longer than the row is cut at its end: what still fits of the assistant's text is trained.
+  short = select.make_source(make_cfg(tmp_path, str(tmp_path / "chat.jsonl"), "--config.data.format=chat",
+                                      f"--config.data.tokenizer={chat_tokenizer}", "--config.model.vocab_size=512",
+                                      "--config.seq_len=16", eval_fraction=0.0), "train", shuffle=False)
+  inputs, targets = short.pair(0)
+  np.testing.assert_array_equal(inputs, src.pair(0)[0][:16])
+  np.testing.assert_array_equal(targets, src.pair(0)[1][:16])
+
+
+def test_chat_fine_tune_runs(chat_tokenizer, tmp_path):
+  write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+  assert train.main(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "run"), "--config.steps=2",
+                     f"--config.data.name={tmp_path / 'chat.jsonl'}", "--config.data.format=chat",
+                     f"--config.data.data_dir={tmp_path / 'tfds'}", f"--config.data.tokenizer={chat_tokenizer}",
+                     "--config.model.vocab_size=512", "--config.seq_len=64", "--config.eval_every=2",
+                     "--config.data.eval_fraction=0.2", "--config.eval_batches=1", "--config.log_every=1"]) == 0
+  records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("eval_loss" in r for r in records)
+
+
+# --- resume, and the tokenizing pass over processes ----------------------------------------------------------
+
+
+def test_training_on_files_resumes_exactly(two_corpora, tmp_path):
+  import shutil
+  args = ["--config", "configs/tiny.py", "--config.steps=4", "--config.seq_len=32", "--config.checkpoint_every=2",
+          "--config.eval_every=0", "--config.log_every=1", f"--config.data.data_dir={tmp_path / 'tfds'}",
+          f"--config.data.mixture={two_corpora / 'a.jsonl'}=2,python_stdlib=1"]
+  assert train.main([*args, "--workdir", str(tmp_path / "full")]) == 0
+  shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
+  assert train.main([*args, "--workdir", str(tmp_path / "resumed")]) == 0
+  losses = [[json.loads(l).get("loss") for l in (tmp_path / w / "metrics.jsonl").read_text().splitlines()]
+            for w in ("full", "resumed")]
+  assert losses[0] == losses[1] and None not in losses[0][:4]
+
+
+TWO_PROCESS_TOKENIZE = """
+import hashlib, pathlib, sys
+sys.path.insert(0, sys.argv[4])
+from test_own_data import make_cfg
+from meshtrain.data import select
+cfg = make_cfg(pathlib.Path(sys.argv[3]), sys.argv[5], f"--config.data.tokenizer={sys.argv[6]}",
+               "--config.model.vocab_size=512")
+src = select.make_source(cfg, "train", shuffle=True)
+print("rows", hashlib.sha256(src.rows(3, 8)["inputs"].tobytes()).hexdigest())
+"""
+
+
+def cache_digests(tmp_path):
+  found = sorted(p for p in (tmp_path / "tfds").rglob("*.tok-*") if not p.name.startswith("."))
+  assert sorted(p.suffix for p in found) == [".bin", ".npy"], found  # the joined cache, no parts left
+  return [hashlib.sha256(p.read_bytes()).hexdigest() for p in found]
+
+
+def test_two_processes_tokenize_a_share_each_into_one_process_cache(chat_tokenizer, tmp_path, capsys):
+  corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d * 3} for d in DOCS])
+  cfg = make_cfg(tmp_path / "one", str(corpus), f"--config.data.tokenizer={chat_tokenizer}",
+                 "--config.model.vocab_size=512")
+  one = select.make_source(cfg, "train", shuffle=True)
+  expected = hashlib.sha256(one.rows(3, 8)["inputs"].tobytes()).hexdigest()
+  outs = two_processes.run(TWO_PROCESS_TOKENIZE, tmp_path, str(tmp_path / "two"), str(REPO / "tests"), str(corpus),
+                           str(chat_tokenizer), timeout=300)
+  for i, out in enumerate(outs):
+    assert f"(share {i + 1} of 2)" in out and f"rows {expected}" in out, out
+  assert cache_digests(tmp_path / "two") == cache_digests(tmp_path / "one")
