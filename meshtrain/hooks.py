@@ -121,6 +121,7 @@ class Run:
   metrics: dict | None = None
   timing: dict = dataclasses.field(default_factory=dict)
   stopped: bool = False
+  first_record: dict = dataclasses.field(default_factory=dict)  # added to the first step's metrics (data notes)
 
   @property
   def task(self):
@@ -227,6 +228,7 @@ class MetricsLog(Hook):
       record["skipped_steps"] = int(metrics["nonfinite_steps"])
     if step == run.start + 1:  # the first step's time is mostly the first dispatch: start-up is the useful number
       run.timing["startup_s"] = record["startup_s"] = self.startup_clock()
+      record.update(run.first_record)
       run.writer.print(f"start-up: first step done {run.timing['startup_s']:.1f}s after the process started "
                        f"(compile {run.timing['compile_s']:.1f}s)")
     run.writer.write(record)

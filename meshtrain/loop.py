@@ -61,6 +61,8 @@ def train(cfg, workdir: pathlib.Path, preemption, extra_hooks, startup_clock) ->
   profiler = StepProfiler(cfg.profile_steps, workdir, enabled=is_main)
   run = hooks_lib.Run(cfg, workdir, mesh, layout, writer, hooks_lib.Timer(start), watchdog, ckpt, start, state,
                       timing={"compile_s": programs.compile_s})
+  if cfg.task == "lm" and (skipped := data.files.skipped_records(cfg)):
+    run.first_record["data/skipped_records"] = skipped  # data.skip_bad_records=true: what the conversion left out
   run.metrics_log = hooks_lib.MetricsLog(run, programs.flops_per_example, programs.peak, startup_clock)
   evaluate = None
   if eval_src is not None:

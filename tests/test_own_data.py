@@ -153,8 +153,9 @@ def test_bad_record_names_file_and_line_and_leaves_nothing(tmp_path, case):
   # Skipped and counted instead, when asked.
   cfg = make_cfg(tmp_path, eval_fraction=0.0, skip_bad_records=True)
   assert split_texts(cfg, "train", str(tmp_path / "bad.jsonl")) == ["fine", "after", "after", "after"]
-  corpus, manifest = files.prepare(str(tmp_path / "bad.jsonl"), cfg.data, 0.0)
-  assert manifest["skipped_records"] == 1
+  assert files.skipped_records(cfg) == 0  # data.name is not this file
+  cfg.data.name = str(tmp_path / "bad.jsonl")
+  assert files.skipped_records(cfg) == 1
 
 
 def test_bad_paths_and_empty_corpora(tmp_path):
@@ -292,14 +293,16 @@ def test_chat_rows_train_on_the_assistant_only(chat_tokenizer, tmp_path):
 
 
 def test_chat_fine_tune_runs(chat_tokenizer, tmp_path):
-  write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+  write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS + [{"messages": [{"role": "user", "content": "no answer"}]}])
   assert train.main(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "run"), "--config.steps=2",
                      f"--config.data.name={tmp_path / 'chat.jsonl'}", "--config.data.format=chat",
                      f"--config.data.data_dir={tmp_path / 'tfds'}", f"--config.data.tokenizer={chat_tokenizer}",
                      "--config.model.vocab_size=512", "--config.seq_len=64", "--config.eval_every=2",
-                     "--config.data.eval_fraction=0.2", "--config.eval_batches=1", "--config.log_every=1"]) == 0
+                     "--config.data.eval_fraction=0.2", "--config.eval_batches=1", "--config.log_every=1",
+                     "--config.data.skip_bad_records=true"]) == 0
   records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("eval_loss" in r for r in records)
+  assert records[0]["data/skipped_records"] == 1  # the bad line below, skipped and counted
 
 
 # --- resume, and the tokenizing pass over processes ----------------------------------------------------------
@@ -338,7 +341,8 @@ def cache_digests(tmp_path):
 
 
 def test_two_processes_tokenize_a_share_each_into_one_process_cache(chat_tokenizer, tmp_path, capsys):
-  corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d * 3} for d in DOCS])
+  # 3 blocks of packing.SHARE_BLOCK documents: blocks 0 and 2 are process 0's share, block 1 process 1's.
+  corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": f"{k} {d * 3}"} for k in range(2) for d in DOCS])
   cfg = make_cfg(tmp_path / "one", str(corpus), f"--config.data.tokenizer={chat_tokenizer}",
                  "--config.model.vocab_size=512")
   one = select.make_source(cfg, "train", shuffle=True)

@@ -408,7 +408,7 @@ def _convert(corpus: Corpus, fields: Fields, eval_fraction: float, skip_bad: boo
           "documents": counts, "skipped_records": skipped, "first_skipped": first_bad}
 
 
-def prepare(spec: str, data, eval_fraction: float) -> tuple[Corpus, dict]:
+def prepare(spec: str, data, eval_fraction: float, quiet: bool = False) -> tuple[Corpus, dict]:
   """The converted dataset of the files `spec` names (converting them first if no run has): (corpus, manifest)."""
   corpus = resolve(spec, data, eval_fraction)
   manifest_path = corpus.version_dir / MANIFEST
@@ -417,7 +417,7 @@ def prepare(spec: str, data, eval_fraction: float) -> tuple[Corpus, dict]:
       if not manifest_path.is_file():  # another process may have converted it while we waited
         _convert_into_place(corpus, Fields.of(data), eval_fraction, bool(data.skip_bad_records))
   manifest = json.loads(manifest_path.read_text())
-  if manifest["skipped_records"]:
+  if manifest["skipped_records"] and not quiet:
     print(f"data: skipped {manifest['skipped_records']} bad records of {spec} (data.skip_bad_records=true); the "
           f"first: {manifest['first_skipped']}", flush=True)
   return corpus, manifest
@@ -446,6 +446,16 @@ def _convert_into_place(corpus: Corpus, fields: Fields, eval_fraction: float, sk
     if not corpus.version_dir.exists():
       with contextlib.suppress(OSError):  # not empty: another process's conversion is under way there
         corpus.version_dir.parent.rmdir()
+
+
+def skipped_records(cfg) -> int:
+  """Records the conversion of cfg's files skipped (data.skip_bad_records=true), over data.name or the mixture's
+  paths and data.eval_name; 0 where no files are read."""
+  data = cfg.data
+  names = [n for n, _ in config.parse_mixture(data.mixture)] if data.mixture else [data.name]
+  names += [data.eval_name] if data.eval_name else []
+  return sum(prepare(n, data, data.eval_fraction, quiet=True)[1]["skipped_records"] for n in names
+             if config.is_path(n))
 
 
 def open_split(spec: str, split: str, data, eval_fraction: float):

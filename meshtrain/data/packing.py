@@ -22,7 +22,6 @@ import logging
 import os
 import pathlib
 import re
-import shutil
 import time
 
 import numpy as np
@@ -39,6 +38,9 @@ STDLIB = "python_stdlib"  # stdlib_corpus.NAME, named here too: stdlib_corpus im
 INDEX_FORMAT = 1
 # Token streams of non-byte tokenizers: documents encoded per batch (the tokenizer's threads share a batch).
 ENCODE_BATCH = 256
+# Documents per block of the tokenizing pass's shares: process i of n encodes blocks i, i + n, ... (ENCODE_BATCH-sized
+# blocks keep each encode batch whole).
+SHARE_BLOCK = ENCODE_BATCH
 DOC_CACHE = 32  # documents kept decoded: a long file spans many consecutive sequences in evaluation order
 
 
@@ -183,20 +185,20 @@ class TfdsSource(sources.Source):
     return loaded
 
   def _build_token_cache_in_shares(self, data_source, path, tokens_path, dtype, shares: int):
-    """The token cache built by all `shares` processes of the job: process i encodes documents [i * count // shares,
-    (i + 1) * count // shares) into its own part files, the processes wait for each other, and the parts are joined
-    into the cache one process would have written (byte for byte: the same documents, in order, with the same
-    tokenizer). Where a part is not visible here (a data dir that is not shared between hosts) this process encodes
-    it too, so each host ends with the whole cache."""
+    """The token cache built by all `shares` processes of the job: process i encodes blocks i, i + shares, ... of
+    SHARE_BLOCK documents (interleaved, so that long and short documents that cluster in a corpus spread over the
+    processes) into its own part files, the processes wait for each other, and the parts are joined into the cache
+    one process would have written (byte for byte: the same documents, in order, with the same tokenizer). Where a
+    part is not visible here (a data dir that is not shared between hosts) this process encodes it too, so each
+    host ends with the whole cache."""
     count = len(data_source)
     me = _process_index()
-    bounds = [count * i // shares for i in range(shares + 1)]
 
     def part(i, what):
       return path.with_name(f"{path.name}.part{i}of{shares}.{what}")
 
     if not part(me, "offsets.npy").exists():
-      self._write_token_cache(_Slice(data_source, bounds[me], bounds[me + 1]), part(me, "offsets.npy"),
+      self._write_token_cache(_Share(data_source, me, shares), part(me, "offsets.npy"),
                               part(me, "tokens.bin"), dtype, share=f"share {me + 1} of {shares}")
     _all_processes(True)  # a barrier: every process has written its part
     with tfds_access.file_lock(path.with_name(f".{path.name}.lock")):
@@ -204,10 +206,10 @@ class TfdsSource(sources.Source):
       if loaded is None:
         for i in range(shares):
           if not part(i, "offsets.npy").exists():  # not shared with the host that wrote it
-            self._write_token_cache(_Slice(data_source, bounds[i], bounds[i + 1]), part(i, "offsets.npy"),
+            self._write_token_cache(_Share(data_source, i, shares), part(i, "offsets.npy"),
                                     part(i, "tokens.bin"), dtype, share=f"share {i + 1} of {shares}")
         _join_parts([part(i, "offsets.npy") for i in range(shares)], [part(i, "tokens.bin") for i in range(shares)],
-                    path, tokens_path)
+                    path, tokens_path, dtype)
         loaded = _load_token_cache(path, tokens_path, count, dtype)
     _all_processes(True)  # every process has the joined cache open before any part is removed
     if me == 0:
@@ -354,19 +356,28 @@ class _EncodedDocuments:
     return np.append(self._tok.encode(self._text(self._source[doc])), self._tok.eos_id).astype(np.int32)
 
 
-class _Slice:
-  """Records [begin, end) of a data source, as a data source (what one process's share of the tokenizing reads)."""
+class _Share:
+  """The records of blocks `share`, `share` + `shares`, ... of SHARE_BLOCK records, in order, as a data source:
+  what one process's share of the tokenizing reads."""
 
-  def __init__(self, data_source, begin: int, end: int):
-    self._source, self._begin, self._end = data_source, begin, end
+  def __init__(self, data_source, share: int, shares: int):
+    self._source, self._share, self._shares = data_source, share, shares
+    self._count = sum(len(b) for b in share_blocks(len(data_source), share, shares))
 
   def __len__(self):
-    return self._end - self._begin
+    return self._count
 
   def __getitem__(self, i):
-    if not 0 <= i < len(self):
+    if not 0 <= i < self._count:
       raise IndexError(i)
-    return self._source[self._begin + i]
+    block, within = divmod(i, SHARE_BLOCK)
+    return self._source[(block * self._shares + self._share) * SHARE_BLOCK + within]
+
+
+def share_blocks(count: int, share: int, shares: int) -> list[range]:
+  """The document ranges of blocks share, share + shares, ... of SHARE_BLOCK of `count` documents."""
+  return [range(b * SHARE_BLOCK, min((b + 1) * SHARE_BLOCK, count))
+          for b in range(share, -(-count // SHARE_BLOCK), shares)]
 
 
 def _process_count() -> int:
@@ -385,21 +396,30 @@ def _all_processes(value: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.array([value]))))
 
 
-def _join_parts(offsets_paths, tokens_paths, path: pathlib.Path, tokens_path: pathlib.Path) -> None:
-  """The parts' token streams, concatenated, into tokens_path and their offsets, shifted, into `path`: each
+def _join_parts(offsets_paths, tokens_paths, path: pathlib.Path, tokens_path: pathlib.Path, dtype) -> None:
+  """The parts' blocks of documents, back in document order, into tokens_path, and their offsets into `path`: each
   written aside and renamed, the offsets last (as _write_token_cache)."""
-  tmp_tokens = tokens_path.with_name(f"{tokens_path.name}.tmp{os.getpid()}")
+  shares = len(offsets_paths)
   parts = [np.load(p) for p in offsets_paths]
+  streams = [np.memmap(p, dtype=dtype, mode="r") if os.path.getsize(p) else np.zeros(0, dtype) for p in tokens_paths]
+  sizes = [np.diff(p) for p in parts]
+  count = sum(len(s) for s in sizes)
+  ordered = np.zeros(count + 1, np.int64)
+  tmp_tokens = tokens_path.with_name(f"{tokens_path.name}.tmp{os.getpid()}")
   try:
     with open(tmp_tokens, "wb") as out:
-      for part in tokens_paths:
-        with open(part, "rb") as f:
-          shutil.copyfileobj(f, out, 16 << 20)
+      taken = [0] * shares  # documents of each part written so far
+      for block in range(-(-count // SHARE_BLOCK)):
+        i = block % shares
+        n = min(SHARE_BLOCK, count - block * SHARE_BLOCK)
+        first, last = parts[i][taken[i]], parts[i][taken[i] + n]
+        out.write(streams[i][first:last].tobytes())
+        ordered[block * SHARE_BLOCK + 1:block * SHARE_BLOCK + n + 1] = sizes[i][taken[i]:taken[i] + n]
+        taken[i] += n
     os.replace(tmp_tokens, tokens_path)
   finally:
     tmp_tokens.unlink(missing_ok=True)
-  shift = np.cumsum([0] + [int(p[-1]) for p in parts[:-1]])
-  offsets = np.concatenate([[0]] + [p[1:] + s for p, s in zip(parts, shift)]).astype(np.int64)
+  offsets = np.cumsum(ordered)
   tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
   with open(tmp, "wb") as f:
     np.save(f, offsets)

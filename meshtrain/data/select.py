@@ -61,8 +61,9 @@ def make_source(cfg, split: str, shuffle: bool,
   if cfg.get("task", "lm") == "dit":  # labelled images, not tokens: meshtrain/data/images.py
     return images.make_source(cfg, split, shuffle)
   if data.eval_name and split == data.eval_split and split != data.train_split:
-    # All of a path's documents (its "train" split: files named for evaluation hold nothing out), or the TFDS split.
-    return _one_source(cfg, data.eval_name, "train" if config_lib.is_path(data.eval_name) else split, shuffle, tok)
+    # All of a path's documents (both of its splits), or the TFDS dataset's data.eval_split.
+    name = data.eval_name
+    return _one_source(cfg, name, "train+validation" if config_lib.is_path(name) else split, shuffle, tok)
   if not data.mixture:
     return _one_source(cfg, data.name, split, shuffle, tok)
   entries = config_lib.parse_mixture(data.mixture)
