@@ -8,6 +8,7 @@ mistake is a `UserError` naming the key.
 import ast
 import dataclasses
 import difflib
+import glob
 import importlib.util
 import inspect
 import json
@@ -61,6 +62,22 @@ def is_path(name: str) -> bool:
   glob character, ends in a suffix meshtrain/data/files.py reads, or names something that exists on disk."""
   return (name.startswith(("/", "~", ".")) or any(c in name for c in "*?[") or name.endswith(FILE_SUFFIXES)
           or os.path.exists(name))
+
+
+def matching_paths(key: str, spec: str) -> list[pathlib.Path]:
+  """The paths a data path or glob names (sorted); UserError when it names none. Checked with the config (before
+  anything heavy loads) and again when the files are read (meshtrain/data/files.py)."""
+  expanded = os.path.expanduser(spec)
+  if any(c in expanded for c in "*?["):
+    paths = sorted(pathlib.Path(p) for p in glob.glob(expanded, recursive=True))
+    if not paths:
+      raise UserError(f"{key}={spec!r} is a glob that matches no file; check the pattern (quote it so the shell "
+                      "does not expand it, and use ** to match subdirectories)")
+    return paths
+  if not os.path.exists(expanded):
+    raise UserError(f"{key}={spec!r}: no such file or directory (a path is read as your own files; a TFDS name "
+                    "has no / . or ~ at its start)")
+  return [pathlib.Path(expanded)]
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float]]:
@@ -592,8 +609,10 @@ def _check_values(cfg) -> None:
   named = [("data.mixture", n) for n, _ in parse_mixture(data.mixture)] if data.mixture else [("data.name", data.name)]
   named += [("data.eval_name", data.eval_name)] if data.eval_name else []
   for key, name in named:
-    if not is_path(name) and not _TFDS_NAME.match(name):
-      raise UserError(f"{key} names {name!r}, which is not a dataset name: TFDS names are letters, digits and _ "
+    if is_path(name):
+      matching_paths(key, name)
+    elif not _TFDS_NAME.match(name):
+      raise UserError(f"{key}={name!r} is not a dataset name: TFDS names are letters, digits and _ "
                       "(name[/config][:1.2.3]), starting with a letter; use python_stdlib (built locally), synthetic, "
                       "a TFDS dataset name such as tiny_shakespeare or lm1b, or a path or glob of your own files "
                       "(.jsonl, .json, .parquet, .txt; ./ for a relative path)")

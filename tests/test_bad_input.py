@@ -63,7 +63,10 @@ CASES = {
     # --- data settings ---
     "empty data.name": (["--config.data.name="], ["data.name='' is not a dataset name"]),
     "data.name with a space": (["--config.data.name=my corpus"], ["data.name='my corpus' is not a dataset name"]),
-    "data.name with a slash path": (["--config.data.name=../../etc"], ["'../../etc' is not a dataset name"]),
+    "data.name a path that is not there": (["--config.data.name=../no_such_corpus/"],
+                                           ["data.name='../no_such_corpus/': no such file or directory"]),
+    "data.name a glob that matches nothing": (["--config.data.name=no_such/*.jsonl"],
+                                              ["data.name='no_such/*.jsonl' is a glob that matches no file"]),
     "data.name with ;": (["--config.data.name=a;b"], ["'a;b' is not a dataset name", "tiny_shakespeare"]),
     "empty train split": (["--config.data.train_split="], ["data.train_split is empty"]),
     "empty eval split": (["--config.data.eval_split="], ["data.eval_split is empty", "eval_every=0"]),

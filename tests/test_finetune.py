@@ -125,11 +125,11 @@ def sft_config(sft_dir, *extra):
 def test_source_rows(sft_dir):
   cfg = sft_config(sft_dir)
   tok = tokenizer.load("byte")
-  src = sft.make_source(cfg, "train", shuffle=True, tok=tok)
+  src = sft.make_source(cfg, cfg.data.name, "train", shuffle=True, tok=tok)
   batch = src.rows(3, 16)
   assert batch["inputs"].shape == batch["targets"].shape == (16, 128)
   # Rows are a function of (seed, step): any slice of the batch is the same rows, a second source agrees.
-  again = sft.make_source(cfg, "train", shuffle=True, tok=tok)
+  again = sft.make_source(cfg, cfg.data.name, "train", shuffle=True, tok=tok)
   for key in ("inputs", "targets"):
     assert (again.rows(3, 16, 4, 9)[key] == batch[key][4:9]).all()
   assert not (src.rows(4, 16)["inputs"] == batch["inputs"]).all()
@@ -260,7 +260,8 @@ def test_init_from_refusals(source, tmp_path, capsys, init_from, extra, fragment
 @pytest.mark.parametrize("overrides, fragment", [
     (["--config.data.format=text"], "python_stdlib_sft holds prompt/completion pairs"),
     (["--config.data.tokenizer=bpe:512"], "use the tokenizer of the model in init_from"),
-    (["--config.data.format=chat"], "choose one of text, prompt_completion"),
+    (["--config.data.format=dialogue"], "choose one of text, prompt_completion, chat"),
+    (["--config.data.format=chat"], "data.format=chat renders each conversation with the tokenizer's chat template"),
     (["--config.data.completion_key=prompt"], "must name two different features"),
     (["--config.data.name=synthetic"], "synthetic has none"),
 ])

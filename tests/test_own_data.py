@@ -112,6 +112,7 @@ def test_conversion_is_keyed_by_content_and_done_once(tmp_path, capsys):
   assert len(converted_dirs(tmp_path)) == 2  # an edited one is converted again
 
 
+@pytest.mark.slow  # three processes
 def test_concurrent_conversions_make_one_dataset(tmp_path):
   src = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d * 50} for d in DOCS])
   script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from test_own_data import make_cfg, split_texts; "
@@ -242,9 +243,8 @@ def test_stats_and_show_commands(two_corpora, tmp_path):
   sources = json.loads(out.strip().splitlines()[-1])["sources"]
   assert len(sources) == 2 and all({"documents", "tokens", "share"} <= s.keys() for s in sources.values())
   assert [s["share"] for s in sources.values()] == [0.5, 0.5]
-  table = subprocess.run([*base, "stats", *common, "--steps", "3"], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, check=True).stdout
-  assert "bytes/token" in table and "a.jsonl" in table
+  table = stats.format_stats(json.loads(out.strip().splitlines()[-1]))  # what stats prints without --json
+  assert "bytes/token" in table and "a.jsonl" in table and "50.0%" in table
   shown = subprocess.run([*base, "show", *common, "--rows", "2"], cwd=REPO, capture_output=True, text=True,
                          timeout=300, check=True).stdout
   assert shown.count("--- row") == 2 and "AAAA" in shown and "⟦" in shown
@@ -292,6 +292,7 @@ def test_chat_rows_train_on_the_assistant_only(chat_tokenizer, tmp_path):
   np.testing.assert_array_equal(targets, src.pair(0)[1][:16])
 
 
+@pytest.mark.slow  # a whole training run (the chat rows themselves: the test above)
 def test_chat_fine_tune_runs(chat_tokenizer, tmp_path):
   write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS + [{"messages": [{"role": "user", "content": "no answer"}]}])
   assert train.main(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "run"), "--config.steps=2",
@@ -308,6 +309,7 @@ def test_chat_fine_tune_runs(chat_tokenizer, tmp_path):
 # --- resume, and the tokenizing pass over processes ----------------------------------------------------------
 
 
+@pytest.mark.slow  # two training runs
 def test_training_on_files_resumes_exactly(two_corpora, tmp_path):
   import shutil
   args = ["--config", "configs/tiny.py", "--config.steps=4", "--config.seq_len=32", "--config.checkpoint_every=2",

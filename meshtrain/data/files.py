@@ -28,7 +28,6 @@ not needed. TFDS, array_record and pyarrow are imported only when files are conv
 """
 import contextlib
 import dataclasses
-import glob
 import hashlib
 import io
 import json
@@ -142,18 +141,7 @@ def _datasets_dir(path: pathlib.Path) -> Input | None:
 
 def find_inputs(spec: str) -> list[Input]:
   """The files (and `datasets` directories) `spec` names, in sorted path order; UserError when it names none."""
-  expanded = os.path.expanduser(spec)
-  if any(c in expanded for c in "*?["):
-    paths = sorted(pathlib.Path(p) for p in glob.glob(expanded, recursive=True))
-    if not paths:
-      raise UserError(f"data.name={spec!r} is a glob that matches no file; check the pattern (quote it so the shell "
-                      "does not expand it, and use ** to match subdirectories)")
-  else:
-    path = pathlib.Path(expanded)
-    if not path.exists():
-      raise UserError(f"data.name={spec!r}: no such file or directory (a path is read as your own files; a TFDS name "
-                      "has no / . or ~ at its start)")
-    paths = [path]
+  paths = config.matching_paths("data.name", spec)
   inputs = []
   for path in paths:
     if path.is_dir():

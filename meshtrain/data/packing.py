@@ -24,7 +24,9 @@ import pathlib
 import re
 import time
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from meshtrain import config as config_lib
 from meshtrain.data import files, sources, tfds_access, tokenizer
@@ -156,7 +158,7 @@ class TfdsSource(sources.Source):
     tokens_path = path.with_name(path.name.replace(".offsets.npy", ".tokens.bin"))
     dtype = np.dtype(self.tok.token_dtype)
     loaded = _load_token_cache(path, tokens_path, count, dtype)
-    shares = _process_count()
+    shares = jax.process_count()
     if shares > 1 and _all_processes(loaded is not None):
       return loaded
     if shares > 1:  # every process of the job encodes a share of the documents, then they are joined
@@ -192,7 +194,7 @@ class TfdsSource(sources.Source):
     part is not visible here (a data dir that is not shared between hosts) this process encodes it too, so each
     host ends with the whole cache."""
     count = len(data_source)
-    me = _process_index()
+    me = jax.process_index()
 
     def part(i, what):
       return path.with_name(f"{path.name}.part{i}of{shares}.{what}")
@@ -380,19 +382,8 @@ def share_blocks(count: int, share: int, shares: int) -> list[range]:
           for b in range(share, -(-count // SHARE_BLOCK), shares)]
 
 
-def _process_count() -> int:
-  import jax  # pylint: disable=g-import-not-at-top  # a training process has it loaded; `data stats` runs without
-  return jax.process_count()
-
-
-def _process_index() -> int:
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.process_index()
-
-
 def _all_processes(value: bool) -> bool:
   """Whether `value` holds on every process of the job: an all-gather, so also a barrier."""
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return bool(np.all(multihost_utils.process_allgather(np.array([value]))))
 
 

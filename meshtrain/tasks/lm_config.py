@@ -93,7 +93,7 @@ def check_text_data(cfg) -> None:
   """The text data's format and features (task=lm)."""
   data = cfg.data
   config_lib.check_choice("data.format", data.format, DATA_FORMATS)
-  if data.name == "python_stdlib_sft" and data.format != "prompt_completion":
+  if data.name == "python_stdlib_sft" and data.format == "text":
     raise UserError("data.name=python_stdlib_sft holds prompt/completion pairs, not documents; set "
                     "data.format=prompt_completion (or use data.name=python_stdlib for the same files as text)")
   if not 0 <= data.eval_fraction < 1:
