@@ -119,13 +119,14 @@ def blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, blocks: int, window: int = 
 def cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end, window: int = 0):
   """Attention of L new tokens over a key/value cache of S slots, for generation (no gradient is taken).
 
-  The new tokens sit at slots end..end+L-1 and their keys are already written there. Row b's own tokens start at
-  slot start_B[b] (left padding before it): query i sees slots start_B[b]..end+i. It always sees its own slot, so
-  a padding query (in a prefill of left-padded prompts) has one key instead of none (no 0/0); what it computes is
-  never read. Grouped heads without repeating the cache G times: head h reads kv head h // G, as in
-  `causal_attention`. The cache is [B, K, S, E] and the queries are moved to [B, K, G*L, E], so both matmuls batch
-  over the leading (B, K) and no cache-sized array is transposed. Scores and softmax in float32. `window` > 0:
-  query i also sees no slot before end + i - window + 1 (slots and positions differ by start_B, the same for a row).
+  The new tokens sit at slots end..end+L-1 (`end` a scalar, or [B]: each row's own) and their keys are already written
+  there. Row b's own tokens start at slot start_B[b] (left padding before it): query i sees slots start_B[b]..end+i.
+  It always sees its own slot, so a padding query (in a prefill of left-padded prompts) has one key instead of none
+  (no 0/0); what it computes is never read. Grouped heads without repeating the cache G times: head h reads kv head
+  h // G, as in `causal_attention`. The cache is [B, K, S, E] and the queries are moved to [B, K, G*L, E], so both
+  matmuls batch over the leading (B, K) and no cache-sized array is transposed. Scores and softmax in float32.
+  `window` > 0: query i also sees no slot before end + i - window + 1 (slots and positions differ by start_B, the same
+  for a row).
   """
   B, L, H, E = q_BLHE.shape
   K, S = k_BKSE.shape[1], k_BKSE.shape[2]
@@ -133,12 +134,12 @@ def cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end, window: int = 0):
   q_BLHE = q_BLHE * jnp.asarray(1 / np.sqrt(E), q_BLHE.dtype)
   q_BKGLE = q_BLHE.reshape(B, L, K, G, E).transpose(0, 2, 3, 1, 4)
   s_BKGLS = jnp.einsum("BKGLE,BKSE->BKGLS", q_BKGLE, k_BKSE.astype(q_BLHE.dtype), preferred_element_type=jnp.float32)
-  slot_L = end + jnp.arange(L)
+  slot_BL1 = (jnp.reshape(end, (-1, 1)) + jnp.arange(L))[:, :, None]  # end: one slot for all rows, or [B]: each its own
   key_S = jnp.arange(S)
-  visible_BLS = ((key_S[None, None, :] >= start_B[:, None, None]) & (key_S[None, None, :] <= slot_L[None, :, None])
-                 | (key_S[None, None, :] == slot_L[None, :, None]))
+  visible_BLS = ((key_S[None, None, :] >= start_B[:, None, None]) & (key_S[None, None, :] <= slot_BL1)
+                 | (key_S[None, None, :] == slot_BL1))
   if window:
-    visible_BLS &= key_S[None, None, :] > slot_L[None, :, None] - window
+    visible_BLS &= key_S[None, None, :] > slot_BL1 - window
   p_BKGLS = jax.nn.softmax(jnp.where(visible_BLS[:, None, None], s_BKGLS, -jnp.inf), axis=-1)
   o_BKGLE = jnp.einsum("BKGLS,BKSE->BKGLE", p_BKGLS.astype(v_BKSE.dtype), v_BKSE)
   return o_BKGLE.transpose(0, 3, 1, 2, 4).reshape(B, L, H, E).astype(q_BLHE.dtype)

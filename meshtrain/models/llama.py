@@ -199,13 +199,15 @@ CACHE_AXES = ("cache_layers", "cache_batch", "cache_kv_heads", "cache_len", "cac
 class KVCache:
   """Keys and values of every layer, for generation. Slots [0, end) are filled; row b's own tokens start at slot
   start_B[b] (left padding before it, never attended to), so every row writes its next token at the same slot
-  `end` (one dynamic_update_slice for the batch) while its rotary position is its own: slot - start_B[b].
+  `end` (one dynamic_update_slice for the batch) while its rotary position is its own: slot - start_B[b]. With
+  `end` of shape [B] every row writes at its own slot (a serving engine's slots, each at its own point of its own
+  request).
   k_NBKSE[i] is layer i's [B, K, S, E]: one stacked array under a scanned layer stack (the layer axis leads, as
   in the weights), a tuple of per-layer arrays for unrolled layers (each updated in place, never restacked)."""
   k_NBKSE: jax.Array | tuple
   v_NBKSE: jax.Array | tuple
   start_B: jax.Array  # int32 [B]
-  end: jax.Array      # int32 scalar
+  end: jax.Array      # int32 scalar, or [B]: each row's own next slot (meshtrain/inference/engine.py's decode slots)
 
   def padded(self, rows: int) -> "KVCache":
     """The cache with empty rows appended up to `rows` (their own tokens start at slot 0: never read)."""
@@ -225,6 +227,15 @@ def init_cache(c: ModelConfig, batch: int, length: int, start_B) -> KVCache:
     zeros = lambda: tuple(nn.with_logical_constraint(jnp.zeros(shape, c.dtype), CACHE_AXES[1:])
                           for _ in range(c.num_layers))
   return KVCache(zeros(), zeros(), jnp.asarray(start_B, jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def write_slots(cache_BKSE, new_BKLE, end):
+  """The cache with new_BKLE written at slots end..end+L-1: one slot `end` for every row (a scalar), or each row's
+  own (end [B], a batched dynamic_update_slice: a scatter)."""
+  if jnp.ndim(end) == 0:
+    return jax.lax.dynamic_update_slice(cache_BKSE, new_BKLE, (0, 0, end, 0))
+  return jax.vmap(lambda c_KSE, n_KLE, e: jax.lax.dynamic_update_slice(c_KSE, n_KLE, (0, e, 0)))(
+      cache_BKSE, new_BKLE, end)
 
 
 class Attention(nn.Module):
@@ -271,8 +282,8 @@ class Attention(nn.Module):
     v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     if kv is not None:
       (k_BKSE, v_BKSE), (start_B, end) = kv, slots
-      write = lambda cache_BKSE, new_BLKE: nn.with_logical_constraint(jax.lax.dynamic_update_slice(
-          cache_BKSE, new_BLKE.transpose(0, 2, 1, 3).astype(cache_BKSE.dtype), (0, 0, end, 0)), CACHE_AXES[1:])
+      write = lambda cache_BKSE, new_BLKE: nn.with_logical_constraint(write_slots(
+          cache_BKSE, new_BLKE.transpose(0, 2, 1, 3).astype(cache_BKSE.dtype), end), CACHE_AXES[1:])
       k_BKSE, v_BKSE = write(k_BKSE, k_BLKE), write(v_BKSE, v_BLKE)
       o_BLHE = attention.cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end, c.sliding_window)
       o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
@@ -403,8 +414,8 @@ class Transformer(nn.Module):
                      c.init, FanIn(in_axes=(), distribution="normal"))
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.dtype)
     x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_res_len", "act_embed"))
-    slot_L = cache.end + jnp.arange(tokens_BL.shape[1], dtype=jnp.int32)
-    pos_BL = slot_L[None, :] - cache.start_B[:, None]  # each row counts from its own first token
+    slot_BL = cache.end.reshape(-1, 1) + jnp.arange(tokens_BL.shape[1], dtype=jnp.int32)  # [1, L] or [B, L]
+    pos_BL = slot_BL - cache.start_B[:, None]  # each row counts from its own first token
     kv, slots = (cache.k_NBKSE, cache.v_NBKSE), (cache.start_B, cache.end)
     if c.scan_layers:
       stack = nn.scan(Block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True},

@@ -1,0 +1,352 @@
+"""Continuous batching for serving: a fixed number of decode slots, requests joining and leaving between steps.
+
+JetStream's design, on a Generator's model, mesh, rules and placed parameters (meshtrain/inference/generator.py):
+
+- one KV cache of [slots, S] rows (S: the longest prompt bucket plus the context), sharded by the same logical
+  rules as training (`cache_batch` over the batch axes, `cache_kv_heads` over `tensor`), donated to every call;
+- `prefill`: one request's prompt, left-padded to a multiple of PROMPT_BUCKET exactly as Generator.generate pads it
+  (one compiled program per bucket, compiled on first use or by `warm()`), run through the model into a cache of
+  P slots, its first token sampled, and that cache inserted into a free slot row: slots [0, P) of the row, its own
+  first slot (start) and next slot (end); the same call, between decode steps;
+- `decode`: ONE compiled step for all slots: each slot feeds its last token at its own next slot (KVCache.end is
+  [slots]: every row writes and attends at its own position) and samples with its own temperature, top_p, top_k
+  and key (vectorized over the slots); slots that hold no request compute too, and nothing reads them.
+
+A slot is freed at its request's end-of-sequence token, max_tokens, the context, a stop string, or when the request
+is cancelled (the client went away). A request's token t is drawn with fold_in(key(seed), t) on its own row's
+logits, so a seeded request gets the same tokens whatever else is in flight; temperature 0 is greedy (argmax), the
+same tokens as Generator.generate for the same prompt.
+
+All JAX calls happen on the thread that calls `step()` / `run()` (the server runs one engine thread); `submit` and
+`Request.cancel` may be called from any thread. JAX is imported inside the functions (see generator.py).
+"""
+import collections
+import dataclasses
+import secrets
+import threading
+import time
+
+import numpy as np
+
+from meshtrain.errors import UserError
+from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, place
+
+
+class QueueFull(Exception):
+  """The engine's queue holds max_queue requests already: try again later (HTTP 429)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One completion. `on_update(request, delta_text)` is called on the engine thread after each new token whose text
+  can be shown (stop strings held back until they cannot match) and once more when it finishes (finish_reason set:
+  "stop" for its end-of-sequence token or a stop string, "length" for max_tokens or the context, "cancelled")."""
+  prompt_ids: list[int]
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int | None = None
+  stop: tuple[str, ...] = ()
+  on_update: object = None
+  token_ids: list[int] = dataclasses.field(default_factory=list)  # new tokens, the end-of-sequence token included
+  text: str = ""               # the completion's text (up to a stop string, which is left out)
+  finish_reason: str | None = None
+  submitted_at: float = 0.0
+  first_token_at: float | None = None
+  finished_at: float | None = None
+  cancelled: bool = False
+  sent: int = 0                # characters of `text` handed to on_update so far
+  limit: int = 0               # tokens it may make: max_tokens within the context
+
+  def cancel(self) -> None:
+    """Free its slot at the next step (any thread)."""
+    self.cancelled = True
+
+  @property
+  def done(self) -> bool:
+    return self.finish_reason is not None
+
+
+def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
+  """Next token per row with each row's own setting ([B] arrays; keys_B typed keys): temperature 0 greedy, else
+  softmax(logits / temperature) cut to the top_k most likely ids (0: all) and to the smallest set whose probability
+  reaches top_p, as generator.sample does for one setting."""
+  import jax  # after runtime.start (module docstring)
+  import jax.numpy as jnp
+  V = logits_BV.shape[-1]
+  if num_ids < V:
+    logits_BV = jnp.where(jnp.arange(V) < num_ids, logits_BV, -jnp.inf)
+  greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  x_BV = logits_BV / jnp.where(temp_B > 0, temp_B, 1.0)[:, None]
+  sorted_BV = -jnp.sort(-x_BV, axis=-1)
+  kth_B1 = jnp.take_along_axis(sorted_BV, jnp.clip(top_k_B - 1, 0, V - 1)[:, None], axis=-1)
+  cut_k_B1 = (top_k_B > 0)[:, None]
+  x_BV = jnp.where(cut_k_B1 & (x_BV < kth_B1), -jnp.inf, x_BV)
+  sorted_BV = jnp.where(cut_k_B1 & (sorted_BV < kth_B1), -jnp.inf, sorted_BV)
+  p_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  keep_BV = jnp.cumsum(p_BV, axis=-1) - p_BV < top_p_B[:, None]  # the most likely always stays
+  cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+  x_BV = jnp.where((top_p_B < 1)[:, None] & (x_BV < cutoff_B1), -jnp.inf, x_BV)
+  drawn_B = jax.vmap(lambda key, x_V: jax.random.categorical(key, x_V))(keys_B, x_BV).astype(jnp.int32)
+  return jnp.where(temp_B > 0, drawn_B, greedy_B)
+
+
+class Engine:
+  """Continuous batching over `slots` decode rows of a Generator's model (module docstring).
+
+    engine = Engine(Generator.from_workdir("runs/tiny"), slots=8)
+    request = engine.submit(Request(prompt_ids=[...], max_tokens=64))
+    while not request.done: engine.step()        # or engine.run(stop_event) on a thread
+
+  `max_queue` bounds the requests waiting for a slot (submit raises QueueFull past it).
+  """
+
+  def __init__(self, generator, slots: int = 8, max_queue: int = 64):
+    import jax  # after runtime.start (module docstring)
+    if generator.max_len is None:
+      raise UserError("serving needs a context length (the Generator's max_len)")
+    if jax.process_count() > 1:
+      raise UserError("serving runs in one process for now (a mesh over this process's devices)")
+    self.gen = generator
+    self.slots = -(-slots // generator.batch_ways) * generator.batch_ways  # whole rows on every batch shard
+    self.max_len = generator.max_len
+    self.max_bucket = -(-(self.max_len - 1) // PROMPT_BUCKET) * PROMPT_BUCKET
+    # A prompt of n tokens takes its bucket P <= n + 15 slots, then every new token but the last: P + max_len - n - 1.
+    self.cache_len = self.max_bucket + self.max_len
+    self.max_queue = max_queue
+    self.queue: collections.deque[Request] = collections.deque()
+    self.active: dict[int, Request] = {}  # slot -> its request
+    self.lock = threading.Condition()
+    self.stop_len = 0
+    self.prefills = {}  # bucket -> compiled prefill-and-insert
+    self.steps = 0
+    self._build()
+
+  # --- compiled programs ---
+
+  def _build(self) -> None:
+    import flax.linen as nn  # after runtime.start (module docstring)
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    from meshtrain import sharding
+    from meshtrain.models.llama import init_cache
+    g, c, B, S = self.gen, self.gen.model_cfg, self.slots, self.cache_len
+    self.replicated = NamedSharding(g.mesh, PartitionSpec())
+    self.batch_sharding = sharding.batch_sharding(g.mesh, g.rules)
+
+    def init():
+      cache = init_cache(c, B, S, jnp.zeros(B, jnp.int32))
+      return {"cache": cache.replace(end=jnp.zeros(B, jnp.int32)), "token_B": jnp.zeros(B, jnp.int32),
+              "t_B": jnp.zeros(B, jnp.int32), "key_B": jnp.zeros((B, *self._key_shape()), jnp.uint32),
+              "temp_B": jnp.zeros(B, jnp.float32), "top_p_B": jnp.ones(B, jnp.float32),
+              "top_k_B": jnp.zeros(B, jnp.int32)}
+
+    def decode(params, state):
+      logits_B1V, cache = g.model.apply({"params": params}, state["token_B"][:, None], cache=state["cache"])
+      keys_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state["key_B"]), state["t_B"])
+      token_B = sample_rows(logits_B1V[:, 0], keys_B, state["temp_B"], state["top_p_B"], state["top_k_B"], g.num_ids)
+      # A free slot keeps stepping; its next slot stays within the cache (what it writes is never read).
+      cache = cache.replace(end=jnp.minimum(cache.end, S - 1))
+      return {**state, "cache": cache, "token_B": token_B, "t_B": state["t_B"] + 1}, token_B
+
+    with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
+      init_c = jax.jit(init).lower().compile()
+      self.state_shardings = init_c.output_shardings
+      self.state = init_c()
+      self.decode = jax.jit(decode, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
+          self._abstract(g.params), self._abstract(self.state)).compile()
+
+  @staticmethod
+  def _key_shape() -> tuple[int, ...]:
+    import jax  # after runtime.start (module docstring)
+    return jax.random.key_data(jax.random.key(0)).shape
+
+  @staticmethod
+  def _abstract(tree):
+    import jax  # after runtime.start (module docstring)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+  def _prefill(self, P: int):
+    """The compiled prefill-and-insert for prompts padded to P tokens (compiled on first use)."""
+    if P not in self.prefills:
+      self.prefills[P] = self._compile_prefill(P)
+    return self.prefills[P]
+
+  def _compile_prefill(self, P: int):
+    import flax.linen as nn  # after runtime.start (module docstring)
+    import jax
+    import jax.numpy as jnp
+    from meshtrain.models.llama import init_cache
+    g, c = self.gen, self.gen.model_cfg
+    R = g.batch_ways  # rows of the prefill: the request's, then rows that only fill the batch axes
+
+    def prefill(params, state, tokens_RP, start_R, slot, key_data, temp, top_p, top_k):
+      logits_R1V, pre = g.model.apply({"params": params}, tokens_RP, cache=init_cache(c, R, P, start_R))
+      key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0)
+      token = sample_rows(logits_R1V[:1, 0], key[None], temp[None], top_p[None], top_k[None], g.num_ids)[0]
+      put = lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new[:1] if axis == 0 else new[:, :1],
+                                                                        slot, axis)
+      insert = lambda full, new: (tuple(put(f, n, 0) for f, n in zip(full, new)) if isinstance(full, tuple)
+                                  else put(full, new, 1))
+      cache = state["cache"]
+      cache = cache.replace(k_NBKSE=insert(cache.k_NBKSE, pre.k_NBKSE), v_NBKSE=insert(cache.v_NBKSE, pre.v_NBKSE),
+                            start_B=cache.start_B.at[slot].set(start_R[0]), end=cache.end.at[slot].set(P))
+      return {"cache": cache, "token_B": state["token_B"].at[slot].set(token), "t_B": state["t_B"].at[slot].set(1),
+              "key_B": state["key_B"].at[slot].set(key_data), "temp_B": state["temp_B"].at[slot].set(temp),
+              "top_p_B": state["top_p_B"].at[slot].set(top_p), "top_k_B": state["top_k_B"].at[slot].set(top_k)}, token
+
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=self.replicated)
+    args = (self._abstract(g.params), self._abstract(self.state),
+            jax.ShapeDtypeStruct((R, P), jnp.int32, sharding=self.batch_sharding),
+            jax.ShapeDtypeStruct((R,), jnp.int32, sharding=self.replicated), scalar(jnp.int32),
+            jax.ShapeDtypeStruct(self._key_shape(), jnp.uint32, sharding=self.replicated),
+            scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32))
+    with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
+      return jax.jit(prefill, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
+          *args).compile()
+
+  def warm(self, longest: int | None = None) -> None:
+    """Compiles the prefill of every bucket up to `longest` prompt tokens (default: the context) now."""
+    for P in range(PROMPT_BUCKET, min(longest or self.max_bucket, self.max_bucket) + 1, PROMPT_BUCKET):
+      self._prefill(P)
+
+  # --- requests ---
+
+  def check(self, request: Request) -> None:
+    """UserError for a request that cannot run: a prompt past the context, a bad length or sampling setting."""
+    n = len(request.prompt_ids)
+    if n == 0:
+      raise UserError("the prompt is empty")
+    if n >= self.max_len:
+      raise UserError(f"the prompt is {n} tokens, but the model's context is {self.max_len} tokens, which leaves no "
+                      "room for a new token; shorten the prompt")
+    if request.max_tokens < 1:
+      raise UserError(f"max_tokens {request.max_tokens} must be at least 1")
+    vocab = self.gen.model_cfg.vocab_size
+    if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+      raise UserError(f"the prompt has a token id outside the model's vocabulary 0..{vocab - 1}")
+    try:
+      Sampling(float(request.temperature), int(request.top_k), float(request.top_p)).check(vocab)
+    except UserError as e:
+      raise UserError(str(e).replace("--top-k", "top_k").replace("--top-p", "top_p")) from None
+
+  def submit(self, request: Request) -> Request:
+    """Queues `request` (any thread); UserError for a bad one, QueueFull when max_queue are waiting."""
+    self.check(request)
+    request.limit = min(request.max_tokens, self.max_len - len(request.prompt_ids))
+    if request.seed is None:
+      request.seed = secrets.randbits(31)
+    request.submitted_at = time.perf_counter()
+    with self.lock:
+      if len(self.queue) >= self.max_queue:
+        raise QueueFull(f"{len(self.queue)} requests are waiting for a slot")
+      self.queue.append(request)
+      self.lock.notify()
+    return request
+
+  @property
+  def queued(self) -> int:
+    return len(self.queue)
+
+  @property
+  def busy(self) -> int:
+    return len(self.active)
+
+  # --- the loop (the engine thread) ---
+
+  def step(self) -> bool:
+    """Admits waiting requests into free slots (a prefill each), then runs one decode step for every slot if any
+    is busy. False when there was nothing to do."""
+    self._admit()
+    for slot, request in list(self.active.items()):
+      if request.cancelled:
+        self._finish(slot, "cancelled")
+    if not self.active:
+      return False
+    self.state, token_B = self.decode(self.gen.params, self.state)
+    token_B = np.asarray(token_B)
+    self.steps += 1
+    for slot, request in list(self.active.items()):
+      self._take(slot, request, int(token_B[slot]))
+    return True
+
+  def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+    """Steps until `stop` is set; waits for a request while there is nothing to do."""
+    while not stop.is_set():
+      if not self.step():
+        with self.lock:
+          if not self.queue:
+            self.lock.wait(idle_wait_s)
+
+  def _admit(self) -> None:
+    import jax  # after runtime.start (module docstring)
+    free = [s for s in range(self.slots) if s not in self.active]
+    while free:
+      with self.lock:
+        if not self.queue:
+          return
+        request = self.queue.popleft()
+      if request.cancelled:
+        self._done(request, "cancelled")
+        continue
+      slot = free.pop(0)
+      ids = np.asarray(request.prompt_ids, np.int32)
+      P = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
+      R = self.gen.batch_ways
+      tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
+      tokens_RP[0, P - len(ids):] = ids
+      start_R = np.full(R, P - 1, np.int32)
+      start_R[0] = P - len(ids)
+      key_data = np.asarray(jax.random.key_data(jax.random.key(request.seed)))
+      rep = lambda x: place(np.asarray(x), self.replicated)
+      self.state, token = self._prefill(P)(
+          self.gen.params, self.state, place(tokens_RP, self.batch_sharding), rep(start_R), rep(np.int32(slot)),
+          rep(key_data), rep(np.float32(request.temperature)), rep(np.float32(request.top_p)),
+          rep(np.int32(request.top_k)))
+      self.active[slot] = request
+      self._take(slot, request, int(token))
+
+  def _take(self, slot: int, request: Request, token: int) -> None:
+    """A new token of the request in `slot`: its text, then whether it ends the request."""
+    if request.first_token_at is None:
+      request.first_token_at = time.perf_counter()
+    request.token_ids.append(token)
+    eos = self.gen.eos_id
+    ids = request.token_ids[:-1] if token == eos else request.token_ids
+    request.text = self.gen.tokenizer.decode(np.asarray(ids, np.int32))
+    reason = None
+    for stop in request.stop:
+      if stop and (at := request.text.find(stop)) >= 0:
+        request.text, reason = request.text[:at], "stop"
+    if reason is None and token == eos:
+      reason = "stop"
+    elif reason is None and len(request.token_ids) >= request.limit:
+      reason = "length"
+    if request.cancelled:
+      reason = "cancelled"
+    if reason is not None:
+      self._finish(slot, reason)
+      return
+    # Hold back what could still become a stop string, and a character still being decoded (bytes of UTF-8).
+    hold = max([len(s) - 1 for s in request.stop if s] + [0])
+    show = len(request.text) - hold
+    while show > request.sent and request.text[show - 1] == "\ufffd":
+      show -= 1
+    if show > request.sent:
+      self._update(request, request.text[request.sent:show])
+
+  def _finish(self, slot: int, reason: str) -> None:
+    self._done(self.active.pop(slot), reason)
+
+  def _done(self, request: Request, reason: str) -> None:
+    request.finish_reason = reason
+    request.finished_at = time.perf_counter()
+    self._update(request, request.text[request.sent:])
+
+  @staticmethod
+  def _update(request: Request, delta: str) -> None:
+    request.sent += len(delta)
+    if request.on_update is not None:
+      request.on_update(request, delta)
