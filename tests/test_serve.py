@@ -1,11 +1,22 @@
 """Serving: the continuous-batching engine gives Generator.generate's greedy tokens alone and among concurrent
 requests, a seeded request the same tokens at any concurrency; the HTTP server through the real openai client."""
+import concurrent.futures
 import dataclasses
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
 
 import numpy as np
+import openai
 import pytest
+import xla_fast
 
-from meshtrain import config, mesh as mesh_lib, sharding
+from meshtrain import config, mesh as mesh_lib, sharding, train
 from meshtrain.errors import UserError
 from meshtrain.inference import engine as engine_lib, generator
 from meshtrain.models.llama import ModelConfig
@@ -136,3 +147,173 @@ def test_engine_stop_strings_cancel_and_bad_requests(gen, expected):
   engine.submit(greedy(1))
   with pytest.raises(engine_lib.QueueFull):
     engine.submit(greedy(2))
+
+
+# --- the HTTP server, through the openai client, on a trained workdir ---
+
+PROMPT_IDS = [[100, 101, 102, 40, 41], list(range(60, 80)), [35], list(range(70, 110)), [10, 32, 32]]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("served")
+  assert train.main(["--config", "configs/tiny.py", "--workdir", str(workdir), "--config.steps=4",
+                     "--config.seq_len=64", "--config.batch_size=8", "--config.eval_every=0",
+                     "--config.model.num_layers=2", "--config.log_every=2"]) == 0
+  return workdir
+
+
+def start_server(workdir, *args):
+  """A `python -m meshtrain.serve` process on a free port: (process, base URL)."""
+  proc = subprocess.Popen([sys.executable, "-m", "meshtrain.serve", "--workdir", str(workdir), "--port", "0", *args],
+                          stderr=subprocess.PIPE, text=True, env=xla_fast.env())
+  lines = []
+  deadline = time.monotonic() + 240
+  while time.monotonic() < deadline:
+    line = proc.stderr.readline()
+    lines.append(line)
+    if match := re.search(r"serving \S+ on (http://\S+/v1)", line):
+      threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+      return proc, match.group(1)
+    if not line and proc.poll() is not None:
+      break
+  proc.kill()
+  raise AssertionError("the server did not start:\n" + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+  proc, url = start_server(workdir, "--slots", "4", "--max-queue", "3")
+  yield proc, url
+  if proc.poll() is None:
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server[1], api_key="none", max_retries=0, timeout=120)
+
+
+def test_models_completions_and_usage(client, workdir):
+  models = client.models.list().data
+  assert [m.id for m in models] == [f"{workdir.name}@4"]
+  out = client.completions.create(model=models[0].id, prompt="def main(", max_tokens=8, temperature=0,
+                                  extra_body={"unknown_field": 1})  # ignored
+  assert out.model == f"{workdir.name}@4" and out.choices[0].finish_reason in {"stop", "length"}
+  assert out.usage.prompt_tokens == len("def main(") and 1 <= out.usage.completion_tokens <= 8
+  several = client.completions.create(model=models[0].id, prompt="x = ", max_tokens=6, temperature=1.0, seed=3, n=3)
+  assert [c.index for c in several.choices] == [0, 1, 2] and several.usage.completion_tokens <= 18
+  again = client.completions.create(model=models[0].id, prompt="x = ", max_tokens=6, temperature=1.0, seed=3, n=3)
+  assert [c.text for c in again.choices] == [c.text for c in several.choices]
+
+
+def test_greedy_equals_generate_under_concurrency(client, workdir):
+  proc = subprocess.run([sys.executable, "-m", "meshtrain.generate", "--workdir", str(workdir), "--json",
+                         "--max-new-tokens", "24", *[a for p in PROMPT_IDS for a in ("--prompt-ids",
+                                                                                     ",".join(map(str, p)))]],
+                        capture_output=True, text=True, env=xla_fast.env(), timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  expected = json.loads(proc.stdout)["completions"]
+  ask = lambda ids: client.completions.create(model=None, prompt=ids, max_tokens=24,
+                                              temperature=0).choices[0].text
+  with concurrent.futures.ThreadPoolExecutor(len(PROMPT_IDS)) as pool:
+    futures = []
+    for ids in PROMPT_IDS:  # staggered arrivals
+      futures.append(pool.submit(ask, ids))
+      time.sleep(0.05)
+    assert [f.result() for f in futures] == expected
+  assert [ask(ids) for ids in PROMPT_IDS[:2]] == expected[:2]  # one at a time
+
+
+def test_streaming_with_usage(client):
+  chunks = list(client.completions.create(model=None, prompt=[35, 36], max_tokens=12, temperature=0, stream=True,
+                                          stream_options={"include_usage": True}))
+  text = "".join(c.choices[0].text for c in chunks if c.choices)
+  assert chunks[-1].usage.completion_tokens >= 1 and chunks[-1].choices == []
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in {"stop", "length"}
+  whole = client.completions.create(model=None, prompt=[35, 36], max_tokens=12, temperature=0)
+  assert text == whole.choices[0].text
+
+
+def test_raw_sse_ends_with_done(server):
+  request = urllib.request.Request(server[1] + "/completions", data=json.dumps(
+      {"prompt": "a", "max_tokens": 4, "stream": True}).encode(), headers={"Content-Type": "application/json"})
+  with urllib.request.urlopen(request, timeout=60) as response:
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = [line for line in response.read().decode().split("\n\n") if line]
+  assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_chat_needs_a_template_then_uses_it(client, workdir):
+  messages = [{"role": "user", "content": "hi"}]
+  with pytest.raises(openai.BadRequestError, match="chat_template.jinja"):
+    client.chat.completions.create(model=None, messages=messages, max_tokens=4)
+  (workdir / "tokenizer").mkdir(exist_ok=True)  # a byte-tokenizer run has none
+  (workdir / "tokenizer" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+  out = client.chat.completions.create(model=None, messages=messages, max_tokens=6, temperature=0)
+  assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+  assert out.usage.prompt_tokens == len("<|user|>hi\n<|assistant|>")
+  streamed = list(client.chat.completions.create(model=None, messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True))
+  assert "".join(c.choices[0].delta.content or "" for c in streamed) == out.choices[0].message.content
+
+
+def test_errors(client, server):
+  with pytest.raises(openai.NotFoundError, match="does not exist"):
+    client.completions.create(model="other", prompt="a", max_tokens=2)
+  with pytest.raises(openai.BadRequestError, match="context is 64"):
+    client.completions.create(model=None, prompt="a" * 80, max_tokens=2)
+  for bad in [{"temperature": -1}, {"top_p": 2}, {"n": 99}, {"max_tokens": 0}, {"stop": ["a"] * 9}]:
+    with pytest.raises(openai.BadRequestError):
+      client.completions.create(model=None, prompt="a", **bad)
+  with pytest.raises(openai.RateLimitError) as e:  # 8 choices queued at once: past 3 waiting
+    client.completions.create(model=None, prompt="a", max_tokens=60, n=8, extra_body={"ignore_eos": True})
+  assert e.value.response.headers["retry-after"] == "1"
+  metrics = urllib.request.urlopen(server[1].removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+  for name in ["meshtrain_serve_time_to_first_token_seconds_bucket", "meshtrain_serve_time_per_output_token_seconds",
+               "meshtrain_serve_queue_length", "meshtrain_serve_busy_slots", "meshtrain_serve_generation_tokens_total",
+               'meshtrain_serve_requests_total{finish_reason="length"}', 'status="429"']:
+    assert name in metrics, name
+  assert json.loads(urllib.request.urlopen(server[1].removesuffix("/v1") + "/health").read())["status"] == "ok"
+
+
+def test_bad_arguments_exit_2_before_jax(workdir, tmp_path):
+  for args, message in [(["--port", "70000"], "--port 70000"), (["--slots", "0"], "--slots 0"),
+                        (["--config.steps=3"], "cannot be set for serving")]:
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.serve", "--workdir", str(workdir), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("error: ") and message in proc.stderr
+  proc = subprocess.run([sys.executable, "-m", "meshtrain.serve", "--workdir", str(tmp_path / "none")],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "no such directory" in proc.stderr
+
+
+def test_api_key_and_sigterm_drain(workdir):
+  proc, url = start_server(workdir, "--slots", "2", "--api-key", "sesame", "--grace-s", "60")
+  try:
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # 6 choices over 2 slots: several rounds of decode
+      in_flight = pool.submit(client.completions.create, model=None, prompt="a", max_tokens=60, temperature=0, n=6)
+      stream = pool.submit(lambda: list(client.completions.create(model=None, prompt="b", max_tokens=60,
+                                                                  temperature=0, stream=True)))
+      health = url.removesuffix("/v1") + "/health"
+      while json.loads(urllib.request.urlopen(health, timeout=30).read())["busy_slots"] == 0:
+        time.sleep(0.01)
+      proc.send_signal(signal.SIGTERM)
+      time.sleep(0.2)
+      with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=None, prompt="c", max_tokens=2)
+      assert e.value.status_code == 503
+      out = in_flight.result()
+      assert len(out.choices) == 6 and all(c.finish_reason in {"stop", "length"} for c in out.choices)
+      assert stream.result()[-1].choices[0].finish_reason in {"stop", "length"}
+    assert proc.wait(timeout=60) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()

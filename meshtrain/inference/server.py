@@ -1,0 +1,411 @@
+"""The OpenAI-compatible HTTP server over an Engine (meshtrain/inference/engine.py): `python -m meshtrain.serve`.
+
+Starlette on uvicorn. The engine runs on one background thread that owns every JAX call; the handlers check a
+request, encode its prompt, submit it to the engine's queue and await its tokens, which the engine thread hands back
+through the event loop (`call_soon_threadsafe`). Endpoints: GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions (the run's chat template), with `stream: true` as server-sent events; GET /health,
+GET /metrics (Prometheus text). Errors are OpenAI-style JSON. SIGTERM (or Ctrl-C) stops accepting requests (503),
+lets the ones in flight finish within `grace_s`, and returns.
+"""
+import asyncio
+import dataclasses
+import hmac
+import json
+import threading
+import time
+import uuid
+
+import prometheus_client as prom
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from meshtrain.data.chat import ChatTemplate
+from meshtrain.errors import UserError
+from meshtrain.inference import engine as engine_lib
+
+MAX_BODY_BYTES = 1 << 20
+MAX_N = 8
+MAX_STOP = 4
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+  """An OpenAI-style error response."""
+
+  def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+               headers: dict | None = None):
+    super().__init__(message)
+    self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+
+  def response(self) -> JSONResponse:
+    return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                   "code": self.status}}, status_code=self.status, headers=self.headers)
+
+
+@dataclasses.dataclass
+class Asked:
+  """What a completion request asks for, checked."""
+  prompts: list[list[int]]
+  max_tokens: int
+  temperature: float
+  top_p: float
+  top_k: int
+  seed: int | None
+  stop: tuple[str, ...]
+  n: int
+  stream: bool
+  include_usage: bool
+
+
+class Metrics:
+  """The server's Prometheus metrics, in their own registry."""
+
+  def __init__(self, engine):
+    self.registry = prom.CollectorRegistry()
+    r = self.registry
+    buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+    self.ttft = prom.Histogram("meshtrain_serve_time_to_first_token_seconds", "submit to first token", registry=r,
+                               buckets=buckets)
+    self.tpot = prom.Histogram("meshtrain_serve_time_per_output_token_seconds",
+                               "per request: (last token - first token) / (tokens - 1)", registry=r, buckets=buckets)
+    self.e2e = prom.Histogram("meshtrain_serve_request_latency_seconds", "submit to last token", registry=r,
+                              buckets=buckets)
+    prom.Gauge("meshtrain_serve_queue_length", "requests waiting for a slot", registry=r).set_function(
+        lambda: engine.queued)
+    prom.Gauge("meshtrain_serve_busy_slots", "decode slots holding a request", registry=r).set_function(
+        lambda: engine.busy)
+    prom.Gauge("meshtrain_serve_slots", "decode slots", registry=r).set(engine.slots)
+    self.prompt_tokens = prom.Counter("meshtrain_serve_prompt_tokens", "prompt tokens prefilled", registry=r)
+    self.generation_tokens = prom.Counter("meshtrain_serve_generation_tokens", "tokens generated", registry=r)
+    self.requests = prom.Counter("meshtrain_serve_requests", "requests finished (one per choice)", ["finish_reason"],
+                                 registry=r)
+    self.rejected = prom.Counter("meshtrain_serve_rejected_requests", "requests refused", ["status"], registry=r)
+
+  def finished(self, request: engine_lib.Request) -> None:
+    self.requests.labels(request.finish_reason).inc()
+    self.prompt_tokens.inc(len(request.prompt_ids))
+    self.generation_tokens.inc(len(request.token_ids))
+    if request.first_token_at is not None:
+      self.ttft.observe(request.first_token_at - request.submitted_at)
+      self.e2e.observe(request.finished_at - request.submitted_at)
+      if len(request.token_ids) > 1:
+        self.tpot.observe((request.finished_at - request.first_token_at) / (len(request.token_ids) - 1))
+
+
+def number(body: dict, name: str, kind, default, low=None, high=None):
+  """body[name] as `kind` (int or float) within [low, high]; ApiError 400 otherwise."""
+  value = body.get(name)
+  if value is None:
+    return default
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+    raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, not {value!r}", param=name)
+  if (low is not None and value < low) or (high is not None and value > high):
+    bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+    raise ApiError(400, f"{name} {value} must be {bounds}", param=name)
+  return kind(value)
+
+
+class Server:
+  """The Starlette app over `engine` (not yet running: `serve()` runs it with uvicorn, `start_engine` alone for
+  an app served otherwise). `model_name` is what /v1/models lists and responses name (RUN@STEP); `workdir` is where
+  the chat template is read; `api_key`, when set, is required as `Authorization: Bearer KEY` on every call."""
+
+  def __init__(self, engine, model_name: str, workdir=None, api_key: str | None = None, grace_s: float = 30.0):
+    self.engine, self.model_name, self.workdir = engine, model_name, workdir
+    self.api_key, self.grace_s = api_key, grace_s
+    self.metrics = Metrics(engine)
+    self.draining = False
+    self.inflight = 0
+    self.stop = threading.Event()
+    self.thread = None
+    self.created = int(time.time())
+    self.chat = None
+    self.app = Starlette(routes=[
+        Route("/v1/models", self.models, methods=["GET"]), Route("/health", self.health, methods=["GET"]),
+        Route("/metrics", self.prometheus, methods=["GET"]),
+        Route("/v1/completions", self.completions, methods=["POST"]),
+        Route("/v1/chat/completions", self.chat_completions, methods=["POST"])])
+
+  # --- the engine thread ---
+
+  def start_engine(self) -> None:
+    self.thread = threading.Thread(target=self.engine.run, args=(self.stop,), name="meshtrain-engine", daemon=True)
+    self.thread.start()
+
+  def stop_engine(self) -> None:
+    self.stop.set()
+    with self.engine.lock:
+      self.engine.lock.notify()
+    if self.thread is not None:
+      self.thread.join()
+
+  def serve(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning", on_ready=None) -> None:
+    """Runs the server until SIGTERM/SIGINT (then drains: see the module docstring). `on_ready(port)` is called
+    once it listens (port 0 picks a free port)."""
+    config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            lifespan="off")
+    server = DrainingServer(config, self, on_ready)
+    self.start_engine()
+    try:
+      server.run()
+    finally:
+      self.stop_engine()
+
+  # --- endpoints ---
+
+  async def models(self, http: HttpRequest) -> Response:
+    return await self.guarded(http, self.list_models, counts=False)
+
+  async def health(self, http: HttpRequest) -> Response:
+    status = 503 if self.draining else 200
+    return JSONResponse({"status": "draining" if self.draining else "ok", "busy_slots": self.engine.busy,
+                         "queue": self.engine.queued}, status_code=status)
+
+  async def prometheus(self, http: HttpRequest) -> Response:
+    return await self.guarded(http, lambda _: self.metrics_text(), counts=False)
+
+  async def completions(self, http: HttpRequest) -> Response:
+    return await self.guarded(http, lambda body: self.complete(http, body, chat=False))
+
+  async def chat_completions(self, http: HttpRequest) -> Response:
+    return await self.guarded(http, lambda body: self.complete(http, body, chat=True))
+
+  async def guarded(self, http: HttpRequest, handler, counts: bool = True) -> Response:
+    """Authorization, draining, the body, and errors as OpenAI-style JSON, around `handler(body)`."""
+    try:
+      if self.api_key is not None:
+        given = http.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+          raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
+      if counts and self.draining:
+        raise ApiError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
+      body = await self.body(http) if http.method == "POST" else {}
+      self.inflight += counts
+      try:
+        result = handler(body)
+        return await result if asyncio.iscoroutine(result) else result
+      finally:
+        self.inflight -= counts
+    except ApiError as e:
+      self.metrics.rejected.labels(str(e.status)).inc()
+      return e.response()
+
+  @staticmethod
+  async def body(http: HttpRequest) -> dict:
+    if int(http.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+      raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    raw = b""
+    async for chunk in http.stream():
+      raw += chunk
+      if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+      body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ApiError(400, f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+      raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+  def list_models(self, body) -> Response:
+    return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                     "created": self.created, "owned_by": "meshtrain",
+                                                     "max_model_len": self.engine.max_len}]})
+
+  def metrics_text(self) -> Response:
+    return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
+
+  # --- completions ---
+
+  def prompts_of(self, body: dict, chat: bool) -> list[list[int]]:
+    """The token ids of the request's prompt(s): `messages` rendered by the chat template, or `prompt` (a string,
+    a list of strings, a list of ids or a list of lists of ids)."""
+    if chat:
+      messages = body.get("messages")
+      if not isinstance(messages, list) or not messages or not all(
+          isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise ApiError(400, "messages must be a non-empty list of {\"role\": ..., \"content\": ...}", param="messages")
+      messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+      for m in messages:
+        if isinstance(m.get("content"), list):  # content parts: their text joined
+          m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+      if self.chat is None:
+        try:
+          self.chat = ChatTemplate.for_workdir(self.workdir)
+        except UserError as e:
+          raise ApiError(400, str(e).replace(" --messages", " chat messages"), param="messages") from None
+      try:
+        return [self.chat.encode(self.chat.render(messages, tools=body.get("tools")))]
+      except UserError as e:
+        raise ApiError(400, f"the chat template refused the conversation: {e}", param="messages") from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt)):
+      prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(
+        isinstance(p, str) or (isinstance(p, list) and all(isinstance(x, int) for x in p)) for p in prompt):
+      raise ApiError(400, "prompt must be a string, a list of strings or a list of token ids", param="prompt")
+    try:
+      return [ids.tolist() for ids in self.engine.gen.encode(prompt)]
+    except UserError as e:
+      raise ApiError(400, str(e), param="prompt") from None
+
+  def asked(self, body: dict, chat: bool) -> Asked:
+    model = body.get("model")
+    if model is not None and model not in (self.model_name, self.model_name.split("@")[0]):
+      raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                     param="model")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
+      raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP} strings", param="stop")
+    top_k = number(body, "top_k", int, 0, -1)
+    length_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    options = body.get("stream_options") or {}
+    return Asked(self.prompts_of(body, chat), number(body, length_key, int, 16 if not chat else
+                                                     self.engine.max_len, 1),
+                 number(body, "temperature", float, 1.0, 0.0), number(body, "top_p", float, 1.0, 0.0, 1.0),
+                 max(top_k, 0), number(body, "seed", int, None), tuple(s for s in stop if s),
+                 number(body, "n", int, 1, 1, MAX_N), bool(body.get("stream")),
+                 isinstance(options, dict) and bool(options.get("include_usage")))
+
+  async def complete(self, http: HttpRequest, body: dict, chat: bool) -> Response:
+    asked = self.asked(body, chat)
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue = asyncio.Queue()
+
+    def on_update(request, delta):  # the engine thread
+      if request.done:
+        self.metrics.finished(request)
+      loop.call_soon_threadsafe(updates.put_nowait, (request, delta))
+
+    requests = []
+    try:
+      for ids in asked.prompts:
+        for j in range(asked.n):
+          requests.append(engine_lib.Request(
+              prompt_ids=ids, max_tokens=asked.max_tokens, temperature=asked.temperature, top_p=asked.top_p,
+              top_k=asked.top_k, seed=None if asked.seed is None else asked.seed + j, stop=asked.stop,
+              on_update=on_update))
+          self.engine.submit(requests[-1])
+    except (UserError, engine_lib.QueueFull) as e:
+      for r in requests:
+        r.cancel()
+      if isinstance(e, engine_lib.QueueFull):
+        raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_exceeded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+      raise ApiError(400, str(e).replace("shorten the prompt", "shorten the prompt or lower max_tokens"),
+                     param="prompt" if "prompt" in str(e) else None) from None
+    reply = Reply(self.model_name, chat, requests)
+    if asked.stream:
+      return StreamingResponse(self.stream(reply, updates, asked.include_usage), media_type="text/event-stream")
+    return await self.whole(http, reply, updates)
+
+  async def whole(self, http: HttpRequest, reply: "Reply", updates: asyncio.Queue) -> Response:
+    """Waits for every choice; cancels them if the client goes away meanwhile."""
+    try:
+      while not all(r.done for r in reply.requests):
+        try:
+          await asyncio.wait_for(updates.get(), timeout=0.5)
+        except TimeoutError:
+          if await http.is_disconnected():
+            return Response(status_code=499)  # nobody reads it: the choices are cancelled below
+    finally:
+      self.inflight_done(reply)
+    return JSONResponse(reply.whole())
+
+  async def stream(self, reply: "Reply", updates: asyncio.Queue, include_usage: bool):
+    self.inflight += 1  # the response outlives its handler
+    try:
+      if reply.chat:
+        yield reply.sse([reply.chunk(i, {"role": "assistant", "content": ""}, None)
+                         for i in range(len(reply.requests))])
+      while not all(r.done for r in reply.requests):
+        request, delta = await updates.get()
+        i = reply.requests.index(request)
+        reason = reply.reason(request) if request.done else None
+        if delta or reason:
+          yield reply.sse([reply.chunk(i, {"content": delta} if reply.chat else delta, reason)])
+      if include_usage:
+        yield reply.sse([], usage=True)
+      yield "data: [DONE]\n\n"
+    finally:
+      self.inflight -= 1
+      self.inflight_done(reply)
+
+  @staticmethod
+  def inflight_done(reply: "Reply") -> None:
+    for r in reply.requests:
+      if not r.done:
+        r.cancel()
+
+
+class Reply:
+  """The OpenAI response objects for a request's choices."""
+
+  def __init__(self, model: str, chat: bool, requests: list):
+    self.model, self.chat, self.requests = model, chat, requests
+    self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    self.created = int(time.time())
+
+  @staticmethod
+  def reason(request) -> str:
+    return "length" if request.finish_reason == "length" else "stop"
+
+  def usage(self) -> dict:
+    prompt = sum(len(r.prompt_ids) for r in self.requests)
+    completion = sum(len(r.token_ids) for r in self.requests)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+  def whole(self) -> dict:
+    if self.chat:
+      choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                  "finish_reason": self.reason(r)} for i, r in enumerate(self.requests)]
+    else:
+      choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": self.reason(r)}
+                 for i, r in enumerate(self.requests)]
+    return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+            "model": self.model, "choices": choices, "usage": self.usage()}
+
+  def chunk(self, i: int, delta, reason) -> dict:
+    if self.chat:
+      return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+    return {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
+
+  def sse(self, choices: list, usage: bool = False) -> str:
+    event = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+             "created": self.created, "model": self.model, "choices": choices}
+    if usage:
+      event["usage"] = self.usage()
+    return f"data: {json.dumps(event)}\n\n"
+
+
+class DrainingServer(uvicorn.Server):
+  """uvicorn's server whose SIGTERM/SIGINT drains first: new requests get 503 while the ones in flight finish
+  (up to the grace period), then it stops and `run` returns (no signal re-raised: the process exits 0). A second
+  signal stops at once."""
+
+  def __init__(self, config, owner: Server, on_ready=None):
+    super().__init__(config)
+    self.owner, self.on_ready = owner, on_ready
+
+  def handle_exit(self, sig, frame) -> None:
+    if self.owner.draining:
+      self.should_exit = True
+      return
+    self.owner.draining = True
+    threading.Thread(target=self.drain, daemon=True).start()
+
+  def drain(self) -> None:
+    deadline = time.monotonic() + self.owner.grace_s
+    while (self.owner.inflight > 0 or self.owner.engine.busy or self.owner.engine.queued) \
+        and time.monotonic() < deadline:
+      time.sleep(0.05)
+    self.should_exit = True
+
+  async def startup(self, sockets=None) -> None:
+    await super().startup(sockets)
+    if self.on_ready is not None and self.servers:
+      self.on_ready(self.servers[0].sockets[0].getsockname()[1])
