@@ -12,6 +12,7 @@
    time of each and the ratio, and checks the two caches are byte-identical. Twice: with the processes sharing the
    machine's cores ("shared": one process's tokenizer threads already use them all), and with each process pinned
    to one core of its own ("pinned", RAYON_NUM_THREADS=1: one process per host, each with its host's cores).
+   And one process with two local worker processes (data.tokenize_workers=2) against one, sharing the cores.
 """
 import argparse
 import hashlib
@@ -40,12 +41,13 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "documents": manifest["do
 TOKENIZE = """
 import json, sys, time
 import jax
-if len(sys.argv) > 4:
-  jax.distributed.initialize(coordinator_address=sys.argv[4], num_processes=2, process_id=int(sys.argv[5]))
+if len(sys.argv) > 5:
+  jax.distributed.initialize(coordinator_address=sys.argv[5], num_processes=2, process_id=int(sys.argv[6]))
 from meshtrain import config as config_lib
 from meshtrain.data import select
 cfg = config_lib.load("configs/tiny.py", [f"--config.data.name={sys.argv[1]}", f"--config.data.data_dir={sys.argv[2]}",
-                                          f"--config.data.tokenizer={sys.argv[3]}", "--config.model.vocab_size=4096"])
+                                          f"--config.data.tokenizer={sys.argv[3]}", "--config.model.vocab_size=4096",
+                                          f"--config.data.tokenize_workers={sys.argv[4]}"])
 t0 = time.perf_counter()
 src = select.make_source(cfg, "train", shuffle=True)
 print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": src.num_tokens}))
@@ -91,7 +93,7 @@ def main():
   work.mkdir(parents=True)
   results = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "conversion": [], "tokenizing": {}}
 
-  for mb in (args.small_mb, args.large_mb):
+  for mb in (args.small_mb, args.large_mb) if args.large_mb else (args.small_mb,):  # --large-mb 0: skip it
     corpus = work / f"corpus_{mb}mb.jsonl"
     records = write_corpus(corpus, mb)
     r = run(CONVERT, str(corpus), str(work / f"tfds_{mb}"))
@@ -122,9 +124,9 @@ def main():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     if mode == "pinned":
       env["RAYON_NUM_THREADS"] = "1"
-    def start(i, data_dir, *extra):
+    def start(i, data_dir, *extra, workers=1):
       return subprocess.Popen([*pin(i), sys.executable, "-c", TOKENIZE, corpus, str(data_dir), str(work / "bpe"),
-                               *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+                               str(workers), *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     [one] = [json.loads(start(0, dirs["one"]).communicate()[0].strip().splitlines()[-1])]
     address = f"127.0.0.1:{free_port()}"
     procs = [start(i, dirs["two"], address, str(i)) for i in range(2)]
@@ -136,6 +138,19 @@ def main():
     print(f"tokenizing {args.small_mb} MB ({one['tokens']:,} tokens), {mode} cores: 1 process {one['seconds']:.1f} s, "
           f"2 processes {two['seconds']:.1f} s: {results['tokenizing'][mode]['speedup']}x; caches identical: "
           f"{identical}", flush=True)
+    if mode == "shared":  # one process with two local worker processes (data.tokenize_workers=2), same cores
+      workers_dir = work / "shared_workers"
+      shutil.copytree(dirs["one"], workers_dir)
+      for p in list(workers_dir.rglob("meshtrain_index")):
+        shutil.rmtree(p)
+      local = json.loads(start(0, workers_dir, workers=2).communicate()[0].strip().splitlines()[-1])
+      same = digest(workers_dir) == digest(dirs["one"])
+      results["tokenizing"]["local_workers"] = {"one_process_one_worker": one, "one_process_two_workers": local,
+                                                "speedup": round(one["seconds"] / local["seconds"], 2),
+                                                "identical_cache": same}
+      print(f"tokenizing {args.small_mb} MB, 1 process: 1 worker {one['seconds']:.1f} s, 2 local workers "
+            f"{local['seconds']:.1f} s: {results['tokenizing']['local_workers']['speedup']}x; caches identical: "
+            f"{same}", flush=True)
   pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
   shutil.rmtree(work, ignore_errors=True)
 

@@ -248,6 +248,9 @@ def _data_fields() -> ml_collections.ConfigDict:
   # validation split, by a hash of each document's content; or a path (or TFDS name) to evaluate on instead.
   g.eval_fraction = 0.01
   g.eval_name = ""
+  # Local worker processes of the one-time tokenizing pass of a non-byte tokenizer, per process (each a share of
+  # the documents); 0: one per core for a split of 20,000 documents or more, else none
+  g.tokenize_workers = 0
   g.skip_bad_records = False  # local files: skip (and count) records that cannot be read, instead of exit 2
   # "SRC=WEIGHT,SRC=WEIGHT": train on a mixture (each SRC a TFDS name or a path/glob) drawn in those proportions;
   # data.name is then not read

@@ -336,6 +336,19 @@ print("rows", hashlib.sha256(src.rows(3, 8)["inputs"].tobytes()).hexdigest())
 """
 
 
+def test_local_workers_tokenize_shares_into_the_same_cache(chat_tokenizer, tmp_path, capfd):
+  corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": f"{k} {d * 3}"} for k in range(2) for d in DOCS])
+  sources = {}
+  for workers in (1, 2):
+    cfg = make_cfg(tmp_path / f"w{workers}", str(corpus), f"--config.data.tokenizer={chat_tokenizer}",
+                   "--config.model.vocab_size=512", f"--config.data.tokenize_workers={workers}")
+    sources[workers] = select.make_source(cfg, "train", shuffle=True)
+    out = capfd.readouterr().out
+    assert ("(share 2 of 2)" in out) == (workers == 2), out  # two worker processes, each a share
+  assert cache_digests(tmp_path / "w2") == cache_digests(tmp_path / "w1")
+  np.testing.assert_array_equal(sources[2].rows(3, 8)["inputs"], sources[1].rows(3, 8)["inputs"])
+
+
 def cache_digests(tmp_path):
   found = sorted(p for p in (tmp_path / "tfds").rglob("*.tok-*") if not p.name.startswith("."))
   assert sorted(p.suffix for p in found) == [".bin", ".npy"], found  # the joined cache, no parts left

@@ -15,10 +15,12 @@ copy a memory-mapped cache needs (measured in README, "Tokenizers").
 `open_split` opens a text split (python_stdlib built first) and `train_texts` gives its documents as text, what a
 BPE is trained on (meshtrain/data/select.py). grain is imported only when a source is made or texts are read.
 """
+import concurrent.futures
 import functools
 import hashlib
 import io
 import logging
+import multiprocessing
 import os
 import pathlib
 import re
@@ -40,6 +42,10 @@ STDLIB = "python_stdlib"  # stdlib_corpus.NAME, named here too: stdlib_corpus im
 INDEX_FORMAT = 1
 # Token streams of non-byte tokenizers: documents encoded per batch (the tokenizer's threads share a batch).
 ENCODE_BATCH = 256
+# Local worker processes of the tokenizing pass when data.tokenize_workers is 0: one per core (at most this many)
+# for a split of at least WORKERS_MIN_DOCUMENTS documents (each worker starts an interpreter, seconds).
+MAX_AUTO_WORKERS = 8
+WORKERS_MIN_DOCUMENTS = 20_000
 # Documents per block of the tokenizing pass's shares: process i of n encodes blocks i, i + n, ... (ENCODE_BATCH-sized
 # blocks keep each encode batch whole).
 SHARE_BLOCK = ENCODE_BATCH
@@ -100,13 +106,14 @@ class TfdsSource(sources.Source):
 
   def __init__(self, data_source, *, name: str, split: str, text_key: str, seq_len: int, seed: int,
                shuffle: bool, index_dir: pathlib.Path | None, tok: tokenizer.Tokenizer | None = None,
-               order_key: str | None = None):
+               order_key: str | None = None, tokenize_workers: int = 0):
     import grain  # pylint: disable=g-import-not-at-top
 
     self.name, self.split, self.text_key, self.seq_len, self.shuffle = name, split, text_key, seq_len, shuffle
     self.tok = tok or tokenizer.ByteTokenizer()
     self.pad_id = self.tok.pad_id
     self.encode_seconds = None  # set when this source tokenized the split (not read from the cache)
+    self.tokenize_workers = tokenize_workers  # local worker processes of the tokenizing pass (0: automatic)
     self._index_path = self._index_file(index_dir, data_source) if index_dir is not None else None
     if self.tok.kind == tokenizer.BYTE:
       self._docs = grain.MapDataset.source(data_source).map(_DocumentTokens(text_key))
@@ -158,12 +165,13 @@ class TfdsSource(sources.Source):
     tokens_path = path.with_name(path.name.replace(".offsets.npy", ".tokens.bin"))
     dtype = np.dtype(self.tok.token_dtype)
     loaded = _load_token_cache(path, tokens_path, count, dtype)
-    shares = jax.process_count()
-    if shares > 1 and _all_processes(loaded is not None):
+    processes = jax.process_count()
+    if processes > 1 and _all_processes(loaded is not None):
       return loaded
-    if shares > 1:  # every process of the job encodes a share of the documents, then they are joined
+    workers = self._workers(count)
+    if processes > 1 or (workers > 1 and loaded is None):  # the pass in shares: every process, its local workers
       try:
-        return self._build_token_cache_in_shares(data_source, path, tokens_path, dtype, shares)
+        return self._build_token_cache_in_shares(data_source, path, tokens_path, dtype, processes, workers)
       except OSError as e:
         log.warning("could not write the token stream's shares beside %s (%s); this process encodes it whole",
                     tokens_path, e)
@@ -173,47 +181,79 @@ class TfdsSource(sources.Source):
       with tfds_access.file_lock(path.with_name(f".{path.name}.lock")):
         loaded = _load_token_cache(path, tokens_path, count, dtype)  # another process may have built it meanwhile
         if loaded is None:
-          self._write_token_cache(data_source, path, tokens_path, dtype)
+          self.encode_seconds = write_token_cache(data_source, self.text_key, self.tok, path, tokens_path,
+                                                  self._label())
           loaded = _load_token_cache(path, tokens_path, count, dtype)
     except OSError as e:
       # A read-only data dir still trains: the stream is encoded into memory, again by every run.
       log.warning("could not cache the token stream at %s (%s); it is kept in memory and recomputed each run",
                   tokens_path, e)
       stream = io.BytesIO()
-      offsets = self._encode_split(data_source, stream, dtype)
+      offsets, self.encode_seconds = encode_documents(data_source, self.text_key, self.tok, stream, self._label())
       return offsets, np.frombuffer(stream.getbuffer(), dtype)
     if loaded is None:
       raise RuntimeError(f"the token cache {tokens_path} just written does not read back")
     return loaded
 
-  def _build_token_cache_in_shares(self, data_source, path, tokens_path, dtype, shares: int):
-    """The token cache built by all `shares` processes of the job: process i encodes blocks i, i + shares, ... of
-    SHARE_BLOCK documents (interleaved, so that long and short documents that cluster in a corpus spread over the
-    processes) into its own part files, the processes wait for each other, and the parts are joined into the cache
-    one process would have written (byte for byte: the same documents, in order, with the same tokenizer). Where a
-    part is not visible here (a data dir that is not shared between hosts) this process encodes it too, so each
-    host ends with the whole cache."""
+  def _label(self, share: str = "") -> str:
+    return f"{self.name}/{self.split}" + (f" ({share})" if share else "")
+
+  def _workers(self, count: int) -> int:
+    """Local worker processes for this process's part of the pass: tokenize_workers, or (0) one per core of this
+    process when the split has at least WORKERS_MIN_DOCUMENTS documents (below that, starting them costs more
+    than they save); 1 where the tokenizer has no file a worker could load."""
+    if self.tok.path is None:
+      return 1
+    if self.tokenize_workers:
+      return self.tokenize_workers
+    return min(len(os.sched_getaffinity(0)), MAX_AUTO_WORKERS) if count >= WORKERS_MIN_DOCUMENTS else 1
+
+  def _build_token_cache_in_shares(self, data_source, path, tokens_path, dtype, processes: int, workers: int):
+    """The token cache built in processes x workers shares: share i (process i // workers's local worker
+    i % workers, or the process itself when workers == 1) encodes blocks i, i + shares, ... of SHARE_BLOCK
+    documents (interleaved, so that long and short documents that cluster in a corpus spread over the shares) into
+    its own part files; the processes wait for each other, and the parts are joined into the cache one process
+    would have written (byte for byte: the same documents, in order, with the same tokenizer). Where a part is not
+    visible here (a data dir that is not shared between hosts) this process encodes it too, so each host ends with
+    the whole cache."""
     count = len(data_source)
+    shares = processes * workers
     me = jax.process_index()
 
     def part(i, what):
       return path.with_name(f"{path.name}.part{i}of{shares}.{what}")
 
-    if not part(me, "offsets.npy").exists():
-      self._write_token_cache(_Share(data_source, me, shares), part(me, "offsets.npy"),
-                              part(me, "tokens.bin"), dtype, share=f"share {me + 1} of {shares}")
-    _all_processes(True)  # a barrier: every process has written its part
+    def encode_parts(indices):
+      todo = [i for i in indices if not part(i, "offsets.npy").exists()]
+      jobs = [(i, part(i, "offsets.npy"), part(i, "tokens.bin"), self._label(f"share {i + 1} of {shares}"))
+              for i in todo]
+      if workers == 1 or len(todo) <= 1:
+        for i, offsets_path, part_tokens, label in jobs:
+          write_token_cache(_Share(data_source, i, shares), self.text_key, self.tok, offsets_path, part_tokens, label)
+        return
+      # Fresh interpreters (spawn): this process has JAX running, whose threads a fork would not carry.
+      context = multiprocessing.get_context("spawn")
+      with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=context) as pool:
+        version_dir = os.fspath(data_source.dataset_info.data_dir)
+        futures = [pool.submit(encode_share, version_dir, self.split, self.text_key, str(self.tok.path), i, shares,
+                               offsets_path, part_tokens, label) for i, offsets_path, part_tokens, label in jobs]
+        for future in futures:
+          future.result()
+
+    t0 = time.perf_counter()
+    encode_parts(range(me * workers, (me + 1) * workers))
+    if processes > 1:
+      _all_processes(True)  # a barrier: every process has written its parts
     with tfds_access.file_lock(path.with_name(f".{path.name}.lock")):
       loaded = _load_token_cache(path, tokens_path, count, dtype)
       if loaded is None:
-        for i in range(shares):
-          if not part(i, "offsets.npy").exists():  # not shared with the host that wrote it
-            self._write_token_cache(_Share(data_source, i, shares), part(i, "offsets.npy"),
-                                    part(i, "tokens.bin"), dtype, share=f"share {i + 1} of {shares}")
+        encode_parts(range(shares))  # the parts not visible here (none where the data dir is shared)
         _join_parts([part(i, "offsets.npy") for i in range(shares)], [part(i, "tokens.bin") for i in range(shares)],
                     path, tokens_path, dtype)
         loaded = _load_token_cache(path, tokens_path, count, dtype)
-    _all_processes(True)  # every process has the joined cache open before any part is removed
+        self.encode_seconds = time.perf_counter() - t0
+    if processes > 1:
+      _all_processes(True)  # every process has the joined cache open before any part is removed
     if me == 0:
       for i in range(shares):
         part(i, "offsets.npy").unlink(missing_ok=True)
@@ -221,53 +261,6 @@ class TfdsSource(sources.Source):
     if loaded is None:
       raise RuntimeError(f"the token cache {tokens_path} just joined does not read back")
     return loaded
-
-  def _write_token_cache(self, data_source, path: pathlib.Path, tokens_path: pathlib.Path, dtype,
-                         share: str = "") -> None:
-    """The split's token stream into tokens_path, then its offsets into `path`: each written aside and renamed,
-    the offsets last, so offsets present mean the tokens beside them are whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_tokens = tokens_path.with_name(f"{tokens_path.name}.tmp{os.getpid()}")
-    try:
-      with open(tmp_tokens, "wb") as f:
-        offsets = self._encode_split(data_source, f, dtype, share)
-      os.replace(tmp_tokens, tokens_path)
-    finally:
-      tmp_tokens.unlink(missing_ok=True)  # an interrupted pass leaves nothing behind
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-      np.save(f, offsets)
-    os.replace(tmp, path)
-
-  def _encode_split(self, data_source, out, dtype, share: str = "") -> np.ndarray:
-    """Writes every document's tokens and an EOS to the binary file `out`; returns the offsets. Grain threads read
-    and decode the records while the tokenizer encodes batches of them on its own threads."""
-    import grain  # pylint: disable=g-import-not-at-top
-
-    count = len(data_source)
-    # Printed, not logged: the first run of a new tokenizer waits here (a minute or two for python_stdlib).
-    print(f"tokenizing {count} documents{f' ({share})' if share else ''} of {self.name}/{self.split} with the "
-          f"{self.tok.kind} tokenizer ({self.tok.vocab_size} ids) once; the token stream is cached", flush=True)
-    texts = (grain.MapDataset.source(data_source).map(_DocumentText(self.text_key)).batch(ENCODE_BATCH,
-             batch_fn=list).to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)))
-    sizes = np.zeros(count + 1, np.int64)
-    t0 = report = time.perf_counter()
-    done = 0
-    eos = np.array([self.tok.eos_id], dtype).tobytes()
-    for batch in texts:
-      for ids in self.tok.encode_batch(batch):
-        out.write(ids.astype(dtype).tobytes())
-        out.write(eos)
-        done += 1
-        sizes[done] = len(ids) + 1
-      if time.perf_counter() - report > 10:
-        report = time.perf_counter()
-        log.info("tokenizing %s/%s: %d of %d documents", self.name, self.split, done, count)
-    offsets = np.cumsum(sizes)
-    self.encode_seconds = time.perf_counter() - t0
-    print(f"tokenized {self.name}/{self.split}: {offsets[-1]:,} tokens in {self.encode_seconds:.1f}s "
-          f"({offsets[-1] / max(self.encode_seconds, 1e-9):,.0f} tokens/s)", flush=True)
-    return offsets
 
   def _load_or_build_offsets(self, lengths) -> np.ndarray:
     count = len(lengths)
@@ -358,6 +351,67 @@ class _EncodedDocuments:
     return np.append(self._tok.encode(self._text(self._source[doc])), self._tok.eos_id).astype(np.int32)
 
 
+def encode_documents(data_source, text_key: str, tok, out, label: str) -> tuple[np.ndarray, float]:
+  """Writes every document's tokens and an EOS to the binary file `out`; returns (offsets, seconds). Grain threads
+  read and decode the records while the tokenizer encodes batches of them on its own threads."""
+  import grain  # pylint: disable=g-import-not-at-top
+
+  count = len(data_source)
+  dtype = np.dtype(tok.token_dtype)
+  # Printed, not logged: the first run of a new tokenizer waits here (a minute or two for python_stdlib).
+  print(f"tokenizing {count} documents of {label} with the {tok.kind} tokenizer ({tok.vocab_size} ids) once; the "
+        "token stream is cached", flush=True)
+  texts = (grain.MapDataset.source(data_source).map(_DocumentText(text_key)).batch(ENCODE_BATCH, batch_fn=list)
+           .to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)))
+  sizes = np.zeros(count + 1, np.int64)
+  t0 = report = time.perf_counter()
+  done = 0
+  eos = np.array([tok.eos_id], dtype).tobytes()
+  for batch in texts:
+    for ids in tok.encode_batch(batch):
+      out.write(ids.astype(dtype).tobytes())
+      out.write(eos)
+      done += 1
+      sizes[done] = len(ids) + 1
+    if time.perf_counter() - report > 10:
+      report = time.perf_counter()
+      log.info("tokenizing %s: %d of %d documents", label, done, count)
+  offsets = np.cumsum(sizes)
+  seconds = time.perf_counter() - t0
+  print(f"tokenized {label}: {offsets[-1]:,} tokens in {seconds:.1f}s ({offsets[-1] / max(seconds, 1e-9):,.0f} "
+        "tokens/s)", flush=True)
+  return offsets, seconds
+
+
+def write_token_cache(data_source, text_key: str, tok, path: pathlib.Path, tokens_path: pathlib.Path,
+                      label: str) -> float:
+  """The documents' token stream into tokens_path, then their offsets into `path`: each written aside and renamed,
+  the offsets last, so offsets present mean the tokens beside them are whole. Returns the seconds encoding took."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp_tokens = tokens_path.with_name(f"{tokens_path.name}.tmp{os.getpid()}")
+  try:
+    with open(tmp_tokens, "wb") as f:
+      offsets, seconds = encode_documents(data_source, text_key, tok, f, label)
+    os.replace(tmp_tokens, tokens_path)
+  finally:
+    tmp_tokens.unlink(missing_ok=True)  # an interrupted pass leaves nothing behind
+  tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+  with open(tmp, "wb") as f:
+    np.save(f, offsets)
+  os.replace(tmp, path)
+  return seconds
+
+
+def encode_share(version_dir: str, split: str, text_key: str, tokenizer_path: str, share: int, shares: int,
+                 path: pathlib.Path, tokens_path: pathlib.Path, label: str) -> None:
+  """A local worker's share of the tokenizing pass (a separate process: it opens the split and the tokenizer
+  itself)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  data_source = tfds.builder_from_directory(version_dir).as_data_source(split)
+  write_token_cache(_Share(data_source, share, shares), text_key, tokenizer.load(tokenizer_path), path, tokens_path,
+                    label)
+
+
 class _Share:
   """The records of blocks `share`, `share` + `shares`, ... of SHARE_BLOCK records, in order, as a data source:
   what one process's share of the tokenizing reads."""
@@ -389,7 +443,7 @@ def _all_processes(value: bool) -> bool:
 
 def _join_parts(offsets_paths, tokens_paths, path: pathlib.Path, tokens_path: pathlib.Path, dtype) -> None:
   """The parts' blocks of documents, back in document order, into tokens_path, and their offsets into `path`: each
-  written aside and renamed, the offsets last (as _write_token_cache)."""
+  written aside and renamed, the offsets last (as write_token_cache)."""
   shares = len(offsets_paths)
   parts = [np.load(p) for p in offsets_paths]
   streams = [np.memmap(p, dtype=dtype, mode="r") if os.path.getsize(p) else np.zeros(0, dtype) for p in tokens_paths]

@@ -87,4 +87,4 @@ def _one_source(cfg, name: str, split: str, shuffle: bool, tok) -> sources.Sourc
   ds = packing.open_split(cfg, split, name)
   return packing.TfdsSource(ds, name=name, split=split, text_key=data.text_key, seq_len=cfg.seq_len, seed=cfg.seed,
                             shuffle=shuffle, index_dir=tfds_access.index_dir(ds), tok=tok,
-                            order_key=packing.order_name(name, ds))
+                            order_key=packing.order_name(name, ds), tokenize_workers=data.tokenize_workers)
