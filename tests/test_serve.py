@@ -75,8 +75,13 @@ def test_engine_greedy_equals_generate_alone_and_concurrent(gen, expected):
       engine.step()
     assert request.token_ids == expected[i], i
     assert request.finish_reason == ("stop" if expected[i][-1] == gen.eos_id else "length")
-  requests = [greedy(i) for i in range(len(PROMPTS))]  # staggered: 5 requests over 4 slots, joining mid-decode
-  assert run_staggered(engine, requests, every=2) == 4
+  # Staggered: 5 requests over 4 slots, joining mid-decode: one decode step per call (chunk=1), so each joins while
+  # the others are mid-way; then the default chunk of steps per call, every request joining after a chunk.
+  requests = [greedy(i) for i in range(len(PROMPTS))]
+  assert run_staggered(engine_lib.Engine(gen, slots=4, chunk=1), requests, every=2) == 4
+  assert [r.token_ids for r in requests] == expected
+  requests = [greedy(i) for i in range(len(PROMPTS))]
+  assert run_staggered(engine, requests, every=1) >= 2
   assert [r.token_ids for r in requests] == expected
   requests = [greedy(i) for i in range(len(PROMPTS))]  # all at once
   for r in requests:

@@ -32,6 +32,11 @@ from meshtrain.errors import UserError
 from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, place
 
 
+# Decode steps per device call while no request waits for a slot (Engine's `chunk`). A slot whose request ends
+# inside a chunk computes the rest of it for nothing, and its client sees the chunk's tokens at once.
+DECODE_CHUNK = 8
+
+
 class QueueFull(Exception):
   """The engine's queue holds max_queue requests already: try again later (HTTP 429)."""
 
@@ -99,10 +104,11 @@ class Engine:
     request = engine.submit(Request(prompt_ids=[...], max_tokens=64))
     while not request.done: engine.step()        # or engine.run(stop_event) on a thread
 
-  `max_queue` bounds the requests waiting for a slot (submit raises QueueFull past it).
+  `max_queue` bounds the requests waiting for a slot (submit raises QueueFull past it). `chunk`: decode steps per
+  device call while no request waits for a free slot (one step per call when one does, so it joins at once).
   """
 
-  def __init__(self, generator, slots: int = 8, max_queue: int = 64):
+  def __init__(self, generator, slots: int = 8, max_queue: int = 64, chunk: int = DECODE_CHUNK):
     import jax  # after runtime.start (module docstring)
     if generator.max_len is None:
       raise UserError("serving needs a context length (the Generator's max_len)")
@@ -119,6 +125,7 @@ class Engine:
     self.active: dict[int, Request] = {}  # slot -> its request
     self.lock = threading.Condition()
     self.stop_len = 0
+    self.chunk = max(1, chunk)
     self.prefills = {}  # bucket -> compiled prefill-and-insert
     self.steps = 0
     self._build()
@@ -151,12 +158,18 @@ class Engine:
       cache = cache.replace(end=jnp.minimum(cache.end, S - 1))
       return {**state, "cache": cache, "token_B": token_B, "t_B": state["t_B"] + 1}, token_B
 
+    def decode_steps(params, state, steps):
+      """`steps` decode steps in one device call: tokens [steps, B]."""
+      return jax.lax.scan(lambda s, _: decode(params, s), state, None, length=steps)
+
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
       init_c = jax.jit(init).lower().compile()
       self.state_shardings = init_c.output_shardings
       self.state = init_c()
-      self.decode = jax.jit(decode, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
-          self._abstract(g.params), self._abstract(self.state)).compile()
+      self.decodes = {k: jax.jit(decode_steps, static_argnums=2, donate_argnums=1,
+                                 out_shardings=(self.state_shardings, self.replicated)).lower(
+                                     self._abstract(g.params), self._abstract(self.state), k).compile()
+                      for k in sorted({1, self.chunk})}
 
   @staticmethod
   def _key_shape() -> tuple[int, ...]:
@@ -265,12 +278,22 @@ class Engine:
         self._finish(slot, "cancelled")
     if not self.active:
       return False
-    self.state, token_B = self.decode(self.gen.params, self.state)
-    token_B = np.asarray(token_B)
-    self.steps += 1
-    for slot, request in list(self.active.items()):
-      self._take(slot, request, int(token_B[slot]))
+    steps = self._steps()
+    self.state, tokens_KB = self.decodes[steps](self.gen.params, self.state)
+    tokens_KB = np.asarray(tokens_KB)
+    self.steps += steps
+    for token_B in tokens_KB:  # a request that ends within the chunk takes no more of its tokens
+      for slot, request in list(self.active.items()):
+        self._take(slot, request, int(token_B[slot]))
     return True
+
+  def _steps(self) -> int:
+    """Decode steps for the next call: one while a request waits for a free slot (it joins after this step) or
+    when every active request needs fewer than a chunk more tokens, else a chunk (one host round trip, not
+    `chunk`: what a small model's step on the CPU mostly is)."""
+    waiting = bool(self.queue) and len(self.active) < self.slots
+    most = max(r.limit - len(r.token_ids) for r in self.active.values())
+    return 1 if waiting or most < self.chunk else self.chunk
 
   def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
     """Steps until `stop` is set; waits for a request while there is nothing to do."""
