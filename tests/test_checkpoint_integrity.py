@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
+import xla_fast
 from ckpt_helpers import restore_params, rewrite_without_checksums
 
 from meshtrain.checkpoint import checkpointer, integrity
@@ -36,7 +37,7 @@ def command(workdir, *extra):
 
 
 def run(workdir, *extra):
-  return subprocess.run(command(workdir, *extra), capture_output=True, text=True, timeout=300)
+  return subprocess.run(command(workdir, *extra), capture_output=True, text=True, timeout=300, env=xla_fast.env())
 
 
 def losses(workdir) -> dict[int, float]:
@@ -190,7 +191,7 @@ def test_checkpoint_from_before_checksums_restores_with_a_note(reference, tmp_pa
 
 def test_failed_save_keeps_orbax_tracebacks_out_of_the_terminal(tmp_path):
   proc = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, *command(tmp_path)[3:]], capture_output=True,
-                        text=True, timeout=300)
+                        text=True, timeout=300, env=xla_fast.env())
   assert proc.returncode == 3, proc.stderr[-3000:]
   log = tmp_path / "diagnostics" / "save-step4-process0.log"
   assert "stopped: the checkpoint of step 4 could not be written" in proc.stderr
@@ -208,7 +209,7 @@ def test_reruns_after_a_failed_save_stop_the_same_way_and_never_hang(tmp_path):
   workdir (what a user does) each stop with the same line and exit 3, within the timeout."""
   for _ in range(2):
     proc = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, *command(tmp_path)[3:]], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=xla_fast.env())
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "stopped: the checkpoint of step 4" in proc.stderr, proc.stderr[-3000:]
 

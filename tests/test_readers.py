@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import xla_fast
 
 from meshtrain import checkpoint, config as config_lib, convert, generate, sample
 from meshtrain.checkpoint import reader
@@ -34,7 +35,7 @@ def snapshot(directory: pathlib.Path) -> dict[str, str]:
 
 def run_module(module, *args, timeout=300):
   return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                        timeout=timeout)
+                        timeout=timeout, env=xla_fast.env())
 
 
 def one_line(proc_or_err, *needles, code=2):
