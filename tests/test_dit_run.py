@@ -65,6 +65,10 @@ def test_resume_is_bitwise(reference, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, params_at(tmp_path / "run", STEPS), params_at(reference, STEPS))
 
 
+# A 2-process launch (~65 s on CI's busy cores): the full suite. The quick pass keeps the DiT's sharded numerics
+# in process (tests/test_dit.py's layouts) and the multi-process path with the language model
+# (tests/test_multiprocess.py), on every Python.
+@pytest.mark.slow
 def test_two_processes_train_like_one(reference, tmp_path):
   proc = run(tmp_path, processes=2)
   assert "[p0] mesh: data=8 (8 cpu devices, 2 process(es))" in proc.stdout
