@@ -407,6 +407,9 @@ def encode_share(version_dir: str, split: str, text_key: str, tokenizer_path: st
   """A local worker's share of the tokenizing pass (a separate process: it opens the split and the tokenizer
   itself)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  # One encoding thread per worker: there is a worker per core, and the tokenizer's pool (Rust rayon, created on its
+  # first batch) would otherwise take every core in every worker.
+  os.environ["RAYON_NUM_THREADS"] = "1"
   data_source = tfds.builder_from_directory(version_dir).as_data_source(split)
   write_token_cache(_Share(data_source, share, shares), text_key, tokenizer.load(tokenizer_path), path, tokens_path,
                     label)
