@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 import pytest
+import xla_fast
 from ckpt_helpers import restore_params
 
 # Whole training runs in subprocesses, killed and resumed: the slowest file; `-m 'not slow'` leaves it out.
@@ -23,21 +24,33 @@ ARGS = ["--config", "configs/tiny.py", "--config.steps=16", "--config.seq_len=64
         "--config.optimizer.warmup_steps=2"]
 
 
+# JAX's coordination service aborts every process of a run ("The following tasks are unhealthy (stopped sending
+# heartbeats) ... The tasks have crashed", exit 134) once it has not heard from one for heartbeat_timeout_s; each
+# process sends a heartbeat every heartbeat_timeout_s / 2, so a stall of either process (the coordinator's too) for
+# half the timeout can end the run: at 20 s, a 13 s SIGSTOP did, a 6 s one did not. At the default 100 s, CI's
+# busy 2 cores once lost a 2-process run so before its 4th step. The launcher here stops every process within
+# 0.1 s of one exiting and the watchdog (600 s by default) ends a hung one: the local runs of these tests give the
+# heartbeat 600 s too.
+LOCAL_HEARTBEAT = "--config.distributed.heartbeat_timeout_s=600"
+
+
 def command(workdir, *extra, processes=1):
   if processes == 1:
     return [sys.executable, "-m", "meshtrain.train", *ARGS, "--workdir", str(workdir), *extra]
   return [sys.executable, "-m", "meshtrain.launch", "--processes", str(processes), "--devices-per-process",
-          str(8 // processes), "--", *ARGS, "--workdir", str(workdir), *extra]
+          str(8 // processes), "--", *ARGS, LOCAL_HEARTBEAT, "--workdir", str(workdir), *extra]
 
 
+# Every run here compiles with xla_fast's flags (half the compile time of the default, optimised code, for 16 steps
+# of the tiny model): runs compared bit for bit are all compiled the same way, so they still agree to the last bit.
 def run(workdir, *extra, processes=1, timeout=300):
   return subprocess.run(command(workdir, *extra, processes=processes), capture_output=True, text=True,
-                        timeout=timeout)
+                        timeout=timeout, env=xla_fast.env())
 
 
 def start(workdir, *extra, processes=1):
   return subprocess.Popen(command(workdir, *extra, processes=processes), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+                          stderr=subprocess.PIPE, text=True, env=xla_fast.env())
 
 
 def losses(workdir) -> dict[int, float]:
@@ -260,7 +273,7 @@ def test_checkpoint_that_cannot_be_written_stops_the_run(reference, tmp_path):
   truncate_checkpoints(workdir, 8)
   cmd = command(workdir)
   proc = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, *cmd[3:]], capture_output=True, text=True,
-                        timeout=300)
+                        timeout=300, env=xla_fast.env())
   assert proc.returncode == 3
   assert "stopped: the checkpoint of step 12 could not be written" in proc.stderr
   assert "earlier checkpoints are intact (latest committed: 8)" in proc.stderr
@@ -278,7 +291,7 @@ def test_unwritable_workdir_is_reported_at_start(tmp_path):
 
 
 def test_missing_peer_is_a_clear_error_not_a_hang(tmp_path):
-  env = {**os.environ, "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "MESHTRAIN_NUM_PROCESSES": "2",
+  env = {**xla_fast.env(), "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "MESHTRAIN_NUM_PROCESSES": "2",
          "MESHTRAIN_PROCESS_ID": "1"}  # process 0 (the coordinator) never comes
   proc = subprocess.run(command(tmp_path, "--config.distributed.init_timeout_s=3"), capture_output=True, text=True,
                         timeout=120, env=env)
