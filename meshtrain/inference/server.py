@@ -277,9 +277,12 @@ class Server:
     updates: asyncio.Queue = asyncio.Queue()
 
     def on_update(request, delta):  # the engine thread
-      if request.done:
+      # Whether this update is the request's last, taken here: by the time the stream reads the update the engine
+      # may have finished the request, and an earlier update read as the last would drop the text after it.
+      last = request.done
+      if last:
         self.metrics.finished(request)
-      loop.call_soon_threadsafe(updates.put_nowait, (request, delta))
+      loop.call_soon_threadsafe(updates.put_nowait, (request, delta, last))
 
     requests = []
     try:
@@ -322,10 +325,12 @@ class Server:
       if reply.chat:
         yield reply.sse([reply.chunk(i, {"role": "assistant", "content": ""}, None)
                          for i in range(len(reply.requests))])
-      while not all(r.done for r in reply.requests):
-        request, delta = await updates.get()
+      unfinished = len(reply.requests)
+      while unfinished:  # until every choice's last update, each read in the order the engine sent them
+        request, delta, last = await updates.get()
         i = reply.requests.index(request)
-        reason = reply.reason(request) if request.done else None
+        reason = reply.reason(request) if last else None
+        unfinished -= last
         if delta or reason:
           yield reply.sse([reply.chunk(i, {"content": delta} if reply.chat else delta, reason)])
       if include_usage:
