@@ -42,10 +42,6 @@ STDLIB = "python_stdlib"  # stdlib_corpus.NAME, named here too: stdlib_corpus im
 INDEX_FORMAT = 1
 # Token streams of non-byte tokenizers: documents encoded per batch (the tokenizer's threads share a batch).
 ENCODE_BATCH = 256
-# Local worker processes of the tokenizing pass when data.tokenize_workers is 0: one per core (at most this many)
-# for a split of at least WORKERS_MIN_DOCUMENTS documents (each worker starts an interpreter, seconds).
-MAX_AUTO_WORKERS = 8
-WORKERS_MIN_DOCUMENTS = 20_000
 # Documents per block of the tokenizing pass's shares: process i of n encodes blocks i, i + n, ... (ENCODE_BATCH-sized
 # blocks keep each encode batch whole).
 SHARE_BLOCK = ENCODE_BATCH
@@ -106,14 +102,14 @@ class TfdsSource(sources.Source):
 
   def __init__(self, data_source, *, name: str, split: str, text_key: str, seq_len: int, seed: int,
                shuffle: bool, index_dir: pathlib.Path | None, tok: tokenizer.Tokenizer | None = None,
-               order_key: str | None = None, tokenize_workers: int = 0):
+               order_key: str | None = None, tokenize_workers: int = 1):
     import grain  # pylint: disable=g-import-not-at-top
 
     self.name, self.split, self.text_key, self.seq_len, self.shuffle = name, split, text_key, seq_len, shuffle
     self.tok = tok or tokenizer.ByteTokenizer()
     self.pad_id = self.tok.pad_id
     self.encode_seconds = None  # set when this source tokenized the split (not read from the cache)
-    self.tokenize_workers = tokenize_workers  # local worker processes of the tokenizing pass (0: automatic)
+    self.tokenize_workers = tokenize_workers  # local worker processes of the tokenizing pass (1: none)
     self._index_path = self._index_file(index_dir, data_source) if index_dir is not None else None
     if self.tok.kind == tokenizer.BYTE:
       self._docs = grain.MapDataset.source(data_source).map(_DocumentTokens(text_key))
@@ -168,7 +164,7 @@ class TfdsSource(sources.Source):
     processes = jax.process_count()
     if processes > 1 and _all_processes(loaded is not None):
       return loaded
-    workers = self._workers(count)
+    workers = self._workers()
     if processes > 1 or (workers > 1 and loaded is None):  # the pass in shares: every process, its local workers
       try:
         return self._build_token_cache_in_shares(data_source, path, tokens_path, dtype, processes, workers)
@@ -198,15 +194,10 @@ class TfdsSource(sources.Source):
   def _label(self, share: str = "") -> str:
     return f"{self.name}/{self.split}" + (f" ({share})" if share else "")
 
-  def _workers(self, count: int) -> int:
-    """Local worker processes for this process's part of the pass: tokenize_workers, or (0) one per core of this
-    process when the split has at least WORKERS_MIN_DOCUMENTS documents (below that, starting them costs more
-    than they save); 1 where the tokenizer has no file a worker could load."""
-    if self.tok.path is None:
-      return 1
-    if self.tokenize_workers:
-      return self.tokenize_workers
-    return min(len(os.sched_getaffinity(0)), MAX_AUTO_WORKERS) if count >= WORKERS_MIN_DOCUMENTS else 1
+  def _workers(self) -> int:
+    """Local worker processes for this process's part of the pass: tokenize_workers (1: none, this process
+    encodes), 1 where the tokenizer has no file a worker could load."""
+    return 1 if self.tok.path is None else self.tokenize_workers
 
   def _build_token_cache_in_shares(self, data_source, path, tokens_path, dtype, processes: int, workers: int):
     """The token cache built in processes x workers shares: share i (process i // workers's local worker

@@ -96,8 +96,8 @@ def check_text_data(cfg) -> None:
   if data.name == "python_stdlib_sft" and data.format == "text":
     raise UserError("data.name=python_stdlib_sft holds prompt/completion pairs, not documents; set "
                     "data.format=prompt_completion (or use data.name=python_stdlib for the same files as text)")
-  if data.tokenize_workers < 0:
-    raise UserError(f"data.tokenize_workers={data.tokenize_workers} must be >= 0 (0: one per core for large splits)")
+  if data.tokenize_workers < 1:
+    raise UserError(f"data.tokenize_workers={data.tokenize_workers} must be >= 1 (1: no worker processes)")
   if not 0 <= data.eval_fraction < 1:
     raise UserError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1): the fraction of your files' documents "
                     "held out for evaluation (0.01 = 1%)")
