@@ -80,6 +80,30 @@ def matching_paths(key: str, spec: str) -> list[pathlib.Path]:
   return [pathlib.Path(expanded)]
 
 
+# What the commands that run a trained model (generate, serve) may override: how it is laid out and compiled,
+# not what it is (that comes from the checkpoint).
+INFERENCE_OVERRIDES = ("mesh.", "sharding.", "cpu_devices", "xla_flags", "compilation_cache_dir", "model.dtype")
+
+
+def inference_config(overrides: list[str], what: str) -> tuple[ml_collections.ConfigDict, str | None]:
+  """(config, model.dtype if overridden else None) of a command that runs a trained model (`what`: "generation",
+  "serving"), from its --config.* overrides; UserError for one it cannot take. One device by default on the CPU:
+  simulated devices are threads sharing the same cores, so splitting a decode over them only adds collectives;
+  --config.cpu_devices=8 with mesh overrides simulates a mesh, as train does."""
+  cfg = base_config()
+  cfg.cpu_devices = 1
+  dtype = None  # the run's compute dtype unless --config.model.dtype is given
+  for item in overrides:
+    key = apply_override(cfg, item)
+    if key == "model.dtype":
+      dtype = cfg.model.dtype
+    if not key.startswith(INFERENCE_OVERRIDES):
+      raise UserError(f"--config.{key} cannot be set for {what} (the model comes from the checkpoint); only "
+                      "mesh.*, sharding.*, cpu_devices, xla_flags, compilation_cache_dir and model.dtype")
+  validate(cfg)
+  return cfg, dtype
+
+
 def parse_mixture(spec: str) -> list[tuple[str, float]]:
   """data.mixture "SRC=WEIGHT,SRC=WEIGHT" as [(SRC, WEIGHT)]; UserError naming the entry that does not parse. A
   weight is the text after an entry's last "=", so a path may hold "=" but not ","."""

@@ -68,19 +68,7 @@ def parse_args(argv: list[str]):
   if (task := checkpoint.task_of(meta)) != "lm":
     raise UserError(f"{args.workdir} was trained with task={task}; generate needs a language model (task=lm); for a "
                     "diffusion transformer use python -m meshtrain.sample --workdir W --out FILE.png")
-  cfg = config_lib.base_config()
-  # One device by default on the CPU: simulated devices are threads sharing the same cores, so splitting a decode
-  # over them only adds collectives. --config.cpu_devices=8 with mesh overrides simulates a mesh, as train does.
-  cfg.cpu_devices = 1
-  args.dtype = None  # the run's compute dtype unless --config.model.dtype is given
-  for item in overrides:
-    key = config_lib.apply_override(cfg, item)
-    if key == "model.dtype":
-      args.dtype = cfg.model.dtype
-    if not key.startswith(("mesh.", "sharding.", "cpu_devices", "xla_flags", "compilation_cache_dir", "model.dtype")):
-      raise UserError(f"--config.{key} cannot be set for generation (the model comes from the checkpoint); only "
-                      "mesh.*, sharding.*, cpu_devices, xla_flags, compilation_cache_dir and model.dtype")
-  config_lib.validate(cfg)
+  cfg, args.dtype = config_lib.inference_config(overrides, "generation")
   prompts = read_prompts(args)
   return args, cfg, saved, workdir, prompts
 

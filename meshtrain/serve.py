@@ -48,17 +48,7 @@ def parse_args(argv: list[str]):
   step, meta = checkpoint.run_meta(args.workdir, args.step, "a training run or of a converted model")
   if (task := checkpoint.task_of(meta)) != "lm":
     raise UserError(f"{args.workdir} was trained with task={task}; serve needs a language model (task=lm)")
-  cfg = config_lib.base_config()
-  cfg.cpu_devices = 1  # as generate: simulated CPU devices share the same cores
-  args.dtype = None
-  for item in overrides:
-    key = config_lib.apply_override(cfg, item)
-    if key == "model.dtype":
-      args.dtype = cfg.model.dtype
-    if not key.startswith(("mesh.", "sharding.", "cpu_devices", "xla_flags", "compilation_cache_dir", "model.dtype")):
-      raise UserError(f"--config.{key} cannot be set for serving (the model comes from the checkpoint); only "
-                      "mesh.*, sharding.*, cpu_devices, xla_flags, compilation_cache_dir and model.dtype")
-  config_lib.validate(cfg)
+  cfg, args.dtype = config_lib.inference_config(overrides, "serving")
   return args, cfg, workdir, step
 
 

@@ -187,13 +187,17 @@ def test_generator_api_in_two_processes(params, reference, tmp_path):
 # --- a trained workdir: load_params and the command line ---
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("trained")
+def train_tiny(workdir):
+  """A 2-layer tiny model trained 4 steps into `workdir` (what the generation and serving tests read)."""
   assert train.main(["--config", "configs/tiny.py", "--workdir", str(workdir), "--config.steps=4",
                      "--config.seq_len=64", "--config.batch_size=8", "--config.eval_every=0",
                      "--config.model.num_layers=2", "--config.log_every=2"]) == 0
   return workdir
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  return train_tiny(tmp_path_factory.mktemp("trained"))
 
 
 def test_load_params_on_host_and_on_a_mesh(workdir):

@@ -16,12 +16,12 @@ import openai
 import pytest
 import xla_fast
 
-from meshtrain import config, mesh as mesh_lib, sharding, train
+from meshtrain import config, mesh as mesh_lib, sharding
 from meshtrain.errors import UserError
 from meshtrain.inference import engine as engine_lib, generator
 from meshtrain.models.llama import ModelConfig
 
-from test_generate import random_params
+from test_generate import random_params, train_tiny
 
 MODEL = dataclasses.replace(ModelConfig.from_config(config.base_config().model), num_layers=2, num_heads=16,
                             num_kv_heads=8, head_dim=8)
@@ -163,11 +163,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("served")
-  assert train.main(["--config", "configs/tiny.py", "--workdir", str(workdir), "--config.steps=4",
-                     "--config.seq_len=64", "--config.batch_size=8", "--config.eval_every=0",
-                     "--config.model.num_layers=2", "--config.log_every=2"]) == 0
-  return workdir
+  return train_tiny(tmp_path_factory.mktemp("served"))  # its own: a test writes a chat template into it
 
 
 def start_server(workdir, *args):
