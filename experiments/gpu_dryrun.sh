@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI's GPU dry run: the first GPU call (experiments/gpu_bench.py) on this CPU at tiny shapes, in an environment
-# holding only the GPU machine's packages (Python 3.12, jax 0.11.2, flax, optax, orbax-checkpoint, chex, absl-py,
+# holding only the GPU machine's packages (Python 3.12, jax 0.11.2, flax, optax, orbax-checkpoint, chex, absl-py, tqdm,
 # tensorstore, numpy, pytest; no grain, tensorflow-datasets, array_record or ml_collections) plus the wheels the
 # call carries, so a missing import, a bad flag or a broken step is found here and not on the GPU. Then
 # tests/test_gpu_ready.py on that JAX too (the suite runs it on the project's JAX 0.10).
@@ -23,11 +23,15 @@ if [[ -z "${PY312:-}" ]]; then
   exit 2
 fi
 VENV=.venv-gpu
-if [[ ! -x $VENV/bin/python ]] || ! $VENV/bin/python -c "import jax; assert jax.__version__ == '$JAX_VERSION'" 2>/dev/null; then
+# The GPU machine's packages that meshtrain imports (KINDS.md of the device tool lists them all); a venv made from
+# another list is made again, so a package added here (tqdm, once) is not masked by an older venv that has it.
+PACKAGES="jax==$JAX_VERSION jaxlib==$JAX_VERSION flax optax orbax-checkpoint chex absl-py tensorstore numpy pytest tqdm"
+if [[ ! -x $VENV/bin/python ]] || [[ "$(cat $VENV/packages.txt 2>/dev/null)" != "$PACKAGES" ]]; then
   rm -rf $VENV
   "$PY312" -m venv $VENV
-  $VENV/bin/python -m pip install --quiet "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" flax optax orbax-checkpoint chex \
-    absl-py tensorstore numpy pytest >$VENV/install.log 2>&1 || { cat $VENV/install.log; exit 1; }
+  # shellcheck disable=SC2086  # one word per package
+  $VENV/bin/python -m pip install --quiet $PACKAGES >$VENV/install.log 2>&1 || { cat $VENV/install.log; exit 1; }
+  echo "$PACKAGES" >$VENV/packages.txt
 fi
 # The dry run proves nothing if this environment has what the GPU machine lacks.
 for missing in ml_collections grain tensorflow_datasets array_record; do
