@@ -11,6 +11,9 @@ are stopped and the launcher exits with the failed process's code.
 
   python -m meshtrain.launch --processes 2 --devices-per-process 4 --module meshtrain.generate -- --workdir runs/x \
       --prompt "def main(" --config.mesh.tensor=4 --config.mesh.nodes.tensor=2
+
+and `--module meshtrain.serve` one model's server (process 0 serves HTTP, every process runs the engine's steps;
+docs/serving.md).
 """
 import sys
 
@@ -21,7 +24,7 @@ from meshtrain.runtime.launcher import launch
 
 # Entry points that start the distributed runtime from the launcher's variables (meshtrain.runtime.start) and take
 # --config.cpu_devices.
-MODULES = ("meshtrain.train", "meshtrain.generate")
+MODULES = ("meshtrain.train", "meshtrain.generate", "meshtrain.serve")
 # Resident memory of one training process once JAX has started, before any compile (158 MB measured on the CI
 # machine with 8 simulated devices): a floor, so more processes than memory / this cannot all start.
 PROCESS_BYTES = 150_000_000

@@ -1,29 +1,37 @@
 """Serve a trained (or converted) language model over an OpenAI-compatible HTTP API, with continuous batching.
 
-  python -m meshtrain.serve --workdir W [--step N] [--port 8000] [--host 127.0.0.1] [--slots 8]
+  python -m meshtrain.serve --workdir W [--step N | --follow-s 10] [--port 8000] [--host 127.0.0.1] [--slots 8]
       [--max-queue 64] [--api-key KEY] [--grace-s 30] [--max-len N] [--warm]
       [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N]
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),
 GET /health, GET /metrics. The engine (meshtrain/inference/engine.py) decodes `--slots` requests at once on the mesh
 the --config.mesh.* sizes give (as generate; one device on the CPU unless --config.cpu_devices says more); the HTTP
-layer is meshtrain/inference/server.py. SIGTERM stops accepting (503), lets the requests in flight finish within
---grace-s seconds, and exits 0.
+layer is meshtrain/inference/server.py. Without --step it serves the newest checkpoint and, while the run trains,
+swaps in each newer one it finds (looked for every --follow-s seconds; 0: never), with nothing compiled again.
+Under a multi-process launch (meshtrain.launch, srun) process 0 serves HTTP and every process runs the engine's
+steps on its devices. SIGTERM stops accepting (503), lets the requests in flight finish within --grace-s seconds,
+and exits 0.
 
 Exit codes: 0 stopped, 2 a bad argument or workdir (one `error:` line, before JAX starts).
 """
 import pathlib
+import signal
 import sys
 
 from meshtrain import config as config_lib, runtime
 from meshtrain.errors import ArgumentParser, UserError
+from meshtrain.inference.live import LiveCheckpoints
 
 
 def parse_args(argv: list[str]):
   parser = ArgumentParser(prog="python -m meshtrain.serve", description=__doc__.split("\n\n")[0],
                           epilog="Mesh and sharding as for train: --config.mesh.tensor=8 --config.cpu_devices=8")
   parser.add_argument("--workdir", required=True, help="a training run's (or a converted model's) directory")
-  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+  parser.add_argument("--step", type=int, default=None,
+                      help="serve this checkpoint step only (default: the newest, then each newer one)")
+  parser.add_argument("--follow-s", type=float, default=10.0,
+                      help="seconds between looks for a newer checkpoint of the run (0: serve one step only)")
   parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
   parser.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
   parser.add_argument("--slots", type=int, default=8, help="requests decoded at once")
@@ -39,37 +47,67 @@ def parse_args(argv: list[str]):
   for name in ("slots", "max_queue"):
     if getattr(args, name) < 1:
       raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
-  if args.grace_s < 0:
-    raise UserError(f"--grace-s {args.grace_s} must be >= 0")
+  for name in ("grace_s", "follow_s"):
+    if getattr(args, name) < 0:
+      raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
   if args.max_len is not None and args.max_len < 2:
     raise UserError(f"--max-len {args.max_len} must be at least 2 (one prompt token and one new token)")
   workdir = pathlib.Path(args.workdir).expanduser()
   from meshtrain import checkpoint  # Orbax: only once the arguments are checked
   step, meta = checkpoint.run_meta(args.workdir, args.step, "a training run or of a converted model")
-  if (task := checkpoint.task_of(meta)) != "lm":
-    raise UserError(f"{args.workdir} was trained with task={task}; serve needs a language model (task=lm)")
-  cfg, args.dtype = config_lib.inference_config(overrides, "serving")
+  args.task = checkpoint.task_of(meta)
+  if args.task == "dit":
+    from meshtrain.inference import dit_sampler
+    cfg = dit_sampler.run_config(meta["config"], overrides)
+  elif args.task == "lm":
+    cfg, args.dtype = config_lib.inference_config(overrides, "serving")
+  else:
+    raise UserError(f"{args.workdir} was trained with task={args.task}; serve needs a language model or a DiT run")
   return args, cfg, workdir, step
+
+
+def language_engine(workdir, step: int, cfg, args):
+  from meshtrain import mesh as mesh_lib, sharding
+  from meshtrain.inference.engine import Engine
+  from meshtrain.inference.generator import Generator
+  generator = Generator.from_workdir(workdir, step, mesh=mesh_lib.make_mesh(cfg.mesh),
+                                     rules=sharding.rules_for(cfg.sharding.rules), max_len=args.max_len,
+                                     dtype=args.dtype)
+  live = LiveCheckpoints(workdir, step, args.follow_s) if args.step is None and args.follow_s > 0 else None
+  engine = Engine(generator, slots=args.slots, max_queue=args.max_queue, step=step, live=live)
+  if args.warm:
+    engine.warm()
+  return engine
+
+
+def image_engine(workdir, step: int, cfg, args):
+  import jax
+  from meshtrain.inference import image_engine as images
+  if jax.process_count() > 1:
+    raise UserError("a DiT run is served by one process (its mesh over this host's devices); several processes "
+                    "serve a language model")
+  return images.from_workdir(workdir, step, cfg, max_queue=args.max_queue)
 
 
 def main(argv: list[str] | None = None) -> int:
   try:
     args, cfg, workdir, step = parse_args(sys.argv[1:] if argv is None else argv)
     runtime.start(cfg)  # XLA flags, CPU devices: as train and generate
-    from meshtrain import mesh as mesh_lib, sharding  # after runtime.start: they import JAX
-    from meshtrain.inference.engine import Engine
-    from meshtrain.inference.generator import Generator
-    from meshtrain.inference.server import Server
-    generator = Generator.from_workdir(workdir, step, mesh=mesh_lib.make_mesh(cfg.mesh),
-                                       rules=sharding.rules_for(cfg.sharding.rules), max_len=args.max_len,
-                                       dtype=args.dtype)
-    engine = Engine(generator, slots=args.slots, max_queue=args.max_queue)
-    if args.warm:
-      engine.warm()
-    name = f"{workdir.resolve().name}@{step}"
-    server = Server(engine, name, workdir=workdir, api_key=args.api_key, grace_s=args.grace_s)
-    ready = lambda port: print(f"serving {name} on http://{args.host}:{port}/v1 ({engine.slots} slots, context "
-                               f"{engine.max_len})", file=sys.stderr, flush=True)
+    from meshtrain.inference.server import Server  # after runtime.start: it imports JAX
+    engine = (image_engine(workdir, step, cfg, args) if args.task == "dit" else
+              language_engine(workdir, step, cfg, args))
+    if not engine.leader:
+      # The other processes run process 0's plans until it stops; a signal (srun and the launcher send every process
+      # one) is process 0's to act on: it drains, then ends their loop.
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+      engine.follow()
+      return 0
+    server = Server(engine, workdir.resolve().name, workdir=workdir, api_key=args.api_key, grace_s=args.grace_s)
+    what = ("images" if args.task == "dit" else
+            f"{engine.slots} slots, context {engine.max_len}, {engine.processes} process(es)")
+    ready = lambda port: print(f"serving {server.model_name} on http://{args.host}:{port}/v1 ({what})",
+                               file=sys.stderr, flush=True)
     server.serve(args.host, args.port, on_ready=ready)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

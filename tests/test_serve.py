@@ -166,9 +166,9 @@ def workdir(tmp_path_factory):
   return train_tiny(tmp_path_factory.mktemp("served"))  # its own: a test writes a chat template into it
 
 
-def start_server(workdir, *args):
-  """A `python -m meshtrain.serve` process on a free port: (process, base URL)."""
-  proc = subprocess.Popen([sys.executable, "-m", "meshtrain.serve", "--workdir", str(workdir), "--port", "0", *args],
+def start_server(workdir, *args, launch=("-m", "meshtrain.serve")):
+  """A `python -m meshtrain.serve` process (or `launch` of it) on a free port: (process, base URL)."""
+  proc = subprocess.Popen([sys.executable, *launch, "--workdir", str(workdir), "--port", "0", *args],
                           stderr=subprocess.PIPE, text=True, env=xla_fast.env())
   lines = []
   deadline = time.monotonic() + 240
@@ -212,13 +212,19 @@ def test_models_completions_and_usage(client, workdir):
   assert [c.text for c in again.choices] == [c.text for c in several.choices]
 
 
-def test_greedy_equals_generate_under_concurrency(client, workdir):
+@pytest.fixture(scope="module")
+def generated(workdir):
+  """`python -m meshtrain.generate`'s greedy completions of PROMPT_IDS (24 tokens each)."""
   proc = subprocess.run([sys.executable, "-m", "meshtrain.generate", "--workdir", str(workdir), "--json",
                          "--max-new-tokens", "24", *[a for p in PROMPT_IDS for a in ("--prompt-ids",
                                                                                      ",".join(map(str, p)))]],
                         capture_output=True, text=True, env=xla_fast.env(), timeout=300)
   assert proc.returncode == 0, proc.stderr
-  expected = json.loads(proc.stdout)["completions"]
+  return json.loads(proc.stdout)["completions"]
+
+
+def test_greedy_equals_generate_under_concurrency(client, generated):
+  expected = generated
   ask = lambda ids: client.completions.create(model=None, prompt=ids, max_tokens=24,
                                               temperature=0).choices[0].text
   with concurrent.futures.ThreadPoolExecutor(len(PROMPT_IDS)) as pool:
@@ -271,13 +277,12 @@ def test_errors(client, server):
   for bad in [{"temperature": -1}, {"top_p": 2}, {"n": 99}, {"max_tokens": 0}, {"stop": ["a"] * 9}]:
     with pytest.raises(openai.BadRequestError):
       client.completions.create(model=None, prompt="a", **bad)
-  with pytest.raises(openai.RateLimitError) as e:  # 8 choices queued at once: past 3 waiting
-    client.completions.create(model=None, prompt="a", max_tokens=60, n=8, extra_body={"ignore_eos": True})
-  assert e.value.response.headers["retry-after"] == "1"
+  with pytest.raises(openai.BadRequestError, match="max_queue 3"):  # 8 choices at once could never wait together
+    client.completions.create(model=None, prompt="a", max_tokens=60, n=8)
   metrics = urllib.request.urlopen(server[1].removesuffix("/v1") + "/metrics", timeout=30).read().decode()
   for name in ["meshtrain_serve_time_to_first_token_seconds_bucket", "meshtrain_serve_time_per_output_token_seconds",
                "meshtrain_serve_queue_length", "meshtrain_serve_busy_slots", "meshtrain_serve_generation_tokens_total",
-               'meshtrain_serve_requests_total{finish_reason="length"}', 'status="429"']:
+               'meshtrain_serve_requests_total{finish_reason="length"}', 'status="400"']:
     assert name in metrics, name
   assert json.loads(urllib.request.urlopen(server[1].removesuffix("/v1") + "/health").read())["status"] == "ok"
 
@@ -300,13 +305,17 @@ def test_api_key_and_sigterm_drain(workdir):
     with pytest.raises(openai.AuthenticationError):
       openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0, timeout=120)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # 6 choices over 2 slots: several rounds of decode
-      in_flight = pool.submit(client.completions.create, model=None, prompt="a", max_tokens=60, temperature=0, n=6)
+    health = url.removesuffix("/v1") + "/health"
+    held = lambda: (lambda h: h["busy_slots"] + h["queue"])(json.loads(urllib.request.urlopen(health,
+                                                                                              timeout=30).read()))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # 7 choices over 2 slots: several rounds of decode
       stream = pool.submit(lambda: list(client.completions.create(model=None, prompt="b", max_tokens=60,
                                                                   temperature=0, stream=True)))
-      health = url.removesuffix("/v1") + "/health"
-      while json.loads(urllib.request.urlopen(health, timeout=30).read())["busy_slots"] == 0:
-        time.sleep(0.01)
+      while held() == 0:
+        time.sleep(0.005)
+      in_flight = pool.submit(client.completions.create, model=None, prompt="a", max_tokens=60, temperature=0, n=6)
+      while held() < 7:  # both requests are in: SIGTERM comes after they were accepted
+        time.sleep(0.005)
       proc.send_signal(signal.SIGTERM)
       time.sleep(0.2)
       with pytest.raises(openai.InternalServerError) as e:
@@ -350,6 +359,159 @@ def test_a_client_that_goes_away_frees_its_slots(workdir):
     assert cancelled >= 3, metrics
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
     assert client.completions.create(model=None, prompt=[35], max_tokens=2, temperature=0).choices[0].text is not None
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+def test_a_full_queue_is_429_with_retry_after(gen):
+  """The server's queue bound, with an engine that never takes a request (its thread not started): the first two
+  choices wait, the third is refused with 429 and Retry-After, and the refusal is counted."""
+  import uvicorn
+  from meshtrain.inference.server import Server
+  server = Server(engine_lib.Engine(gen, slots=1, max_queue=2), "random")
+  web = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+  thread = threading.Thread(target=web.run, daemon=True)
+  thread.start()
+  while not web.started:
+    time.sleep(0.01)
+  url = f"http://127.0.0.1:{web.servers[0].sockets[0].getsockname()[1]}/v1"
+  client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+  try:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      waiting = pool.submit(client.completions.create, model=None, prompt=[35], max_tokens=2, n=2)
+      while server.engine.queued < 2:
+        time.sleep(0.01)
+      with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=None, prompt=[36], max_tokens=2)
+      assert e.value.response.headers["retry-after"] == "1" and "busy" in e.value.message
+      for request in list(server.engine.queue):  # let the waiting one end (cancelled: its choices never ran)
+        request.cancel()
+      server.start_engine()
+      assert [c.finish_reason for c in waiting.result().choices] == ["stop", "stop"]
+    assert 'status="429"' in server.metrics_text().body.decode()
+  finally:
+    server.stop_engine()
+    web.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_live_checkpoints_swap_in_without_compiling(tmp_path):
+  """Serving a run that is still training: a checkpoint that appears (renamed into place, as Orbax commits one) is
+  swapped in once the request in flight ends, which keeps its checkpoint to its last token; the request that waited
+  runs on the new one; nothing is compiled again. Then the same through the command: /v1/models and each response
+  name the step that answered."""
+  import os
+  import shutil
+  from meshtrain import train
+  from meshtrain.inference.live import LiveCheckpoints
+  run = tmp_path / "run"
+  assert train.main(["--config", "configs/tiny.py", "--workdir", str(run), "--config.steps=4",
+                     "--config.checkpoint_every=2", "--config.seq_len=64", "--config.batch_size=8",
+                     "--config.eval_every=0", "--config.model.num_layers=2", "--config.log_every=2"]) == 0
+  served = tmp_path / "served"
+  shutil.copytree(run, served)
+  shutil.rmtree(served / "checkpoints" / "4")
+
+  def appear(step: int):
+    shutil.copytree(run / "checkpoints" / str(step), served / "checkpoints" / f"tmp-{step}")
+    os.rename(served / "checkpoints" / f"tmp-{step}", served / "checkpoints" / str(step))
+
+  prompt = list(range(60, 80))
+  expected = {s: generator.Generator.from_workdir(run, s).generate([prompt], 30).token_ids[0] for s in (2, 4)}
+  assert expected[2] != expected[4]  # two more training steps change the greedy tokens
+  engine = engine_lib.Engine(generator.Generator.from_workdir(served, 2), slots=2, step=2,
+                             live=LiveCheckpoints(served, 2, poll_s=0))
+  programs = (dict(engine.prefills), dict(engine.decodes))
+  first = engine.submit(engine_lib.Request(prompt_ids=prompt, max_tokens=30))
+  engine.step()
+  engine.step()
+  appear(4)
+  second = engine.submit(engine_lib.Request(prompt_ids=prompt, max_tokens=30))
+  while not (first.done and second.done):
+    engine.step()
+  assert (first.step, second.step, engine.step_served) == (2, 4, 4)
+  assert first.token_ids == expected[2] and second.token_ids == expected[4]
+  assert engine.decodes == programs[1] and engine.prefills.keys() == programs[0].keys() | {32}
+  assert all(engine.prefills[k] is v for k, v in programs[0].items())
+
+  shutil.rmtree(served / "checkpoints" / "4")
+  proc, url = start_server(served, "--follow-s", "0.2", "--warm")
+  try:
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    ask = lambda: client.completions.create(model=f"{served.name}@2", prompt=prompt, max_tokens=30, temperature=0)
+    before = ask()
+    assert before.model == f"{served.name}@2"
+    appear(4)
+    deadline = time.monotonic() + 120
+    while client.models.list().data[0].id != f"{served.name}@4":
+      assert time.monotonic() < deadline, "the new checkpoint was not picked up"
+      time.sleep(0.1)
+    after = ask()  # the name read before the swap still reaches the run
+    assert after.model == f"{served.name}@4" and after.choices[0].text != before.choices[0].text
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+def test_two_processes_serve_like_one(workdir, generated):
+  """Two processes of 4 devices serve one model (fsdp=8 across both: every weight and slot row is split over the
+  processes): process 0 serves HTTP and broadcasts each step's plan, both run it; concurrent greedy requests get
+  one process's generate tokens; SIGTERM to the launcher drains and both processes exit 0."""
+  proc, url = start_server(workdir, "--slots", "8", "--config.mesh.data=1", "--config.sharding.rules=fsdp",
+                           "--config.mesh.fsdp=4", "--config.mesh.nodes.fsdp=2",
+                           launch=["-m", "meshtrain.launch", "--processes", "2", "--devices-per-process", "4",
+                                   "--module", "meshtrain.serve", "--"])
+  try:
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    ask = lambda ids: client.completions.create(model=None, prompt=ids, max_tokens=24, temperature=0).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPT_IDS)) as pool:
+      assert list(pool.map(ask, PROMPT_IDS)) == generated
+    time.sleep(1.5)  # idle: process 0 keeps the other one in step meanwhile
+    assert ask(PROMPT_IDS[0]) == generated[0]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+def test_images_from_a_dit_run(tmp_path):
+  """A DiT run behind /v1/images/generations through the openai client: b64 PNGs at the model's size, the pictures
+  `python -m meshtrain.sample` draws for that class, count and seed; an unknown class, another size or a URL
+  response is a 400; the completion endpoints say where to go."""
+  import base64
+  import io
+  from PIL import Image
+  from meshtrain import sample, train
+  from test_sample import TINY_DIT
+  (tmp_path / "tiny_dit.py").write_text(TINY_DIT)
+  run = tmp_path / "dit"
+  assert train.main(["--config", str(tmp_path / "tiny_dit.py"), "--workdir", str(run),
+                     f"--config.data.data_dir={tmp_path / 'tfds'}"]) == 0
+  assert sample.main(["--workdir", str(run), "--classes", "3", "--per-class", "2", "--seed", "11",
+                      "--config.cpu_devices=8",  # this process's JAX already has the 8 devices train asked for
+                      "--out", str(tmp_path / "grid.png"), "--npy", str(tmp_path / "three.npz")]) == 0
+  expected = np.round(np.load(tmp_path / "three.npz")["images"] * 255).astype(np.uint8)[..., 0]
+  proc, url = start_server(run)
+  try:
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    out = client.images.generate(model=f"{run.name}@2", prompt="3", n=2, response_format="b64_json",
+                                 extra_body={"seed": 11})
+    pictures = [np.asarray(Image.open(io.BytesIO(base64.b64decode(d.b64_json)))) for d in out.data]
+    assert [p.shape for p in pictures] == [(8, 8), (8, 8)]
+    np.testing.assert_array_equal(np.stack(pictures), expected)
+    one = client.images.generate(model=None, prompt="7", response_format="b64_json")
+    assert len(one.data) == 1
+    for bad, match in [({"prompt": "cat"}, "names no class of this model: give a class id 0..9"),
+                       ({"prompt": "3", "size": "64x64"}, "draws 8x8 images"),
+                       ({"prompt": "3", "response_format": "url"}, "b64_json")]:
+      with pytest.raises(openai.BadRequestError, match=match):
+        client.images.generate(model=None, **bad)
+    with pytest.raises(openai.BadRequestError, match="/v1/images/generations"):
+      client.completions.create(model=None, prompt="a", max_tokens=2)
+    assert client.models.list().data[0].id == f"{run.name}@2"
   finally:
     proc.kill()
     proc.wait()

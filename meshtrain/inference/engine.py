@@ -17,17 +17,31 @@ is cancelled (the client went away). A request's token t is drawn with fold_in(k
 logits, so a seeded request gets the same tokens whatever else is in flight; temperature 0 is greedy (argmax), the
 same tokens as Generator.generate for the same prompt.
 
+Each step is a plan (swap in a newer checkpoint; admit these prompts into these slots; decode k steps) that
+process 0 makes and every process runs: with several processes (one per host) serving one model, process 0 holds
+the queue and the requests, broadcasts each plan (one small collective) and the others run the same programs on
+their devices (`follow()`), so the collectives inside them meet; process 0 sends an empty plan at least every
+`IDLE_S` while idle, and a last one that ends the others' loop.
+
+Serving a run that is still training (`live`: meshtrain/inference/live.py), a newer checkpoint is swapped in
+between steps once no request holds a slot: a request runs on one checkpoint from its first token to its last (the
+choices of one request too: requests submitted together are admitted on the same one). While a swap waits, new
+requests wait with it (at most the longest request in flight), then run on the new parameters, which are placed
+like the old ones, so no program is compiled again. `Request.step` names the checkpoint that answered.
+
 All JAX calls happen on the thread that calls `step()` / `run()` (the server runs one engine thread); `submit` and
 `Request.cancel` may be called from any thread. JAX is imported inside the functions (see generator.py).
 """
 import collections
 import dataclasses
 import secrets
+import sys
 import threading
 import time
 
 import numpy as np
 
+from meshtrain import runtime
 from meshtrain.errors import UserError
 from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, place
 
@@ -35,6 +49,9 @@ from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, place
 # Decode steps per device call while no request waits for a slot (Engine's `chunk`). A slot whose request ends
 # inside a chunk computes the rest of it for nothing, and its client sees the chunk's tokens at once.
 DECODE_CHUNK = 8
+# Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
+# CPU backend's collectives give a peer that is late only so long).
+IDLE_S = 0.5
 
 
 class QueueFull(Exception):
@@ -63,6 +80,8 @@ class Request:
   cancelled: bool = False
   sent: int = 0                # characters of `text` handed to on_update so far
   limit: int = 0               # tokens it may make: max_tokens within the context
+  group: int = 0               # requests submitted together (the choices of one HTTP request): one checkpoint
+  step: int | None = None      # the checkpoint step that answers it (set when it gets a slot)
 
   def cancel(self) -> None:
     """Free its slot at the next step (any thread)."""
@@ -97,6 +116,38 @@ def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
   return jnp.where(temp_B > 0, drawn_B, greedy_B)
 
 
+@dataclasses.dataclass
+class Plan:
+  """One engine step, as process 0 decides it: a checkpoint to swap in, prompts to admit (slot, (ids, seed,
+  temperature, top_p, top_k)), decode steps to run, or the end of serving. Encoded as int32 for the broadcast."""
+  swap: int | None = None
+  admit: list = dataclasses.field(default_factory=list)     # (slot, Request): process 0's, before encoding
+  prompts: list = dataclasses.field(default_factory=list)   # (slot, (ids, seed, temperature, top_p, top_k))
+  decode: int = 0
+  stop: bool = False
+
+  def encode(self) -> np.ndarray:
+    as_int = lambda x: int(np.float32(x).view(np.int32))
+    out = [int(self.stop), -1 if self.swap is None else self.swap, self.decode, len(self.admit)]
+    for slot, r in self.admit:  # the seed (any 64-bit integer) as its low and high 32 bits
+      low, high = np.asarray(r.seed & 0xFFFFFFFF, np.uint32).view(np.int32), r.seed >> 32
+      out += [slot, low, high, as_int(r.temperature), as_int(r.top_p), r.top_k, len(r.prompt_ids), *r.prompt_ids]
+    return np.asarray(out, np.int32)
+
+  @classmethod
+  def parse(cls, x: np.ndarray) -> "Plan":
+    x = [int(v) for v in x]
+    as_float = lambda i: float(np.int32(i).view(np.float32))
+    plan = cls(stop=bool(x[0]), swap=None if x[1] < 0 else x[1], decode=x[2])
+    at = 4
+    for _ in range(x[3]):
+      slot, low, high, temp, top_p, top_k, n = x[at:at + 7]
+      seed = (high << 32) | (low & 0xFFFFFFFF)
+      plan.prompts.append((slot, (x[at + 7:at + 7 + n], seed, as_float(temp), as_float(top_p), top_k)))
+      at += 7 + n
+    return plan
+
+
 class Engine:
   """Continuous batching over `slots` decode rows of a Generator's model (module docstring).
 
@@ -106,15 +157,23 @@ class Engine:
 
   `max_queue` bounds the requests waiting for a slot (submit raises QueueFull past it). `chunk`: decode steps per
   device call while no request waits for a free slot (one step per call when one does, so it joins at once).
+  `step`: the checkpoint step of the generator's parameters; `live`: a LiveCheckpoints of its run, to swap in
+  the newer ones as they appear (module docstring).
   """
 
-  def __init__(self, generator, slots: int = 8, max_queue: int = 64, chunk: int = DECODE_CHUNK):
+  def __init__(self, generator, slots: int = 8, max_queue: int = 64, chunk: int = DECODE_CHUNK,
+               step: int | None = None, live=None):
     import jax  # after runtime.start (module docstring)
     if generator.max_len is None:
       raise UserError("serving needs a context length (the Generator's max_len)")
-    if jax.process_count() > 1:
-      raise UserError("serving runs in one process for now (a mesh over this process's devices)")
     self.gen = generator
+    self.params = generator.params
+    self.step_served = step
+    self.live = live
+    self.swap_to: int | None = None  # a newer checkpoint waiting for the slots to empty
+    self.leader = jax.process_index() == 0
+    self.processes = jax.process_count()
+    self._groups = 0
     self.slots = -(-slots // generator.batch_ways) * generator.batch_ways  # whole rows on every batch shard
     self.max_len = generator.max_len
     self.max_bucket = -(-(self.max_len - 1) // PROMPT_BUCKET) * PROMPT_BUCKET
@@ -170,6 +229,7 @@ class Engine:
                                  out_shardings=(self.state_shardings, self.replicated)).lower(
                                      self._abstract(g.params), self._abstract(self.state), k).compile()
                       for k in sorted({1, self.chunk})}
+    runtime.barrier("serving's first decode", g.barrier_timeout_s)  # all processes compiled before it runs
 
   @staticmethod
   def _key_shape() -> tuple[int, ...]:
@@ -182,9 +242,11 @@ class Engine:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
   def _prefill(self, P: int):
-    """The compiled prefill-and-insert for prompts padded to P tokens (compiled on first use)."""
+    """The compiled prefill-and-insert for prompts padded to P tokens (compiled on first use; with several
+    processes, all of them compile it in the same step, then wait for each other before its first run)."""
     if P not in self.prefills:
       self.prefills[P] = self._compile_prefill(P)
+      runtime.barrier("serving's first run of a compiled prefill", self.gen.barrier_timeout_s)
     return self.prefills[P]
 
   def _compile_prefill(self, P: int):
@@ -240,24 +302,34 @@ class Engine:
     vocab = self.gen.model_cfg.vocab_size
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
       raise UserError(f"the prompt has a token id outside the model's vocabulary 0..{vocab - 1}")
+    if request.seed is not None and not -2**63 <= request.seed < 2**63:
+      raise UserError(f"seed {request.seed} must be a 64-bit integer")
     try:
       Sampling(float(request.temperature), int(request.top_k), float(request.top_p)).check(vocab)
     except UserError as e:
       raise UserError(str(e).replace("--top-k", "top_k").replace("--top-p", "top_p")) from None
 
-  def submit(self, request: Request) -> Request:
-    """Queues `request` (any thread); UserError for a bad one, QueueFull when max_queue are waiting."""
-    self.check(request)
-    request.limit = min(request.max_tokens, self.max_len - len(request.prompt_ids))
-    if request.seed is None:
-      request.seed = secrets.randbits(31)
-    request.submitted_at = time.perf_counter()
+  def submit(self, *requests: Request) -> Request:
+    """Queues the requests together (any thread): they run on one checkpoint. UserError for a bad one, QueueFull
+    when they would take the queue past max_queue (none is queued then). Returns the first."""
+    if len(requests) > self.max_queue:
+      raise UserError(f"{len(requests)} choices at once are more than the queue holds (max_queue "
+                      f"{self.max_queue}); ask for fewer (n, prompts) or raise the server's --max-queue")
+    for request in requests:
+      self.check(request)
+      request.limit = min(request.max_tokens, self.max_len - len(request.prompt_ids))
+      if request.seed is None:
+        request.seed = secrets.randbits(31)
+      request.submitted_at = time.perf_counter()
     with self.lock:
-      if len(self.queue) >= self.max_queue:
+      if len(self.queue) + len(requests) > self.max_queue:
         raise QueueFull(f"{len(self.queue)} requests are waiting for a slot")
-      self.queue.append(request)
+      self._groups += 1
+      for request in requests:
+        request.group = self._groups
+      self.queue.extend(requests)
       self.lock.notify()
-    return request
+    return requests[0]
 
   @property
   def queued(self) -> int:
@@ -270,66 +342,109 @@ class Engine:
   # --- the loop (the engine thread) ---
 
   def step(self) -> bool:
-    """Admits waiting requests into free slots (a prefill each), then runs one decode step for every slot if any
-    is busy. False when there was nothing to do."""
-    self._admit()
-    for slot, request in list(self.active.items()):
-      if request.cancelled:
-        self._finish(slot, "cancelled")
-    if not self.active:
-      return False
-    steps = self._steps()
-    self.state, tokens_KB = self.decodes[steps](self.gen.params, self.state)
-    tokens_KB = np.asarray(tokens_KB)
-    self.steps += steps
-    for token_B in tokens_KB:  # a request that ends within the chunk takes no more of its tokens
-      for slot, request in list(self.active.items()):
-        self._take(slot, request, int(token_B[slot]))
-    return True
+    """One plan: process 0 makes it (cancellations, a checkpoint swap, admissions into free slots, decode steps),
+    every process runs it. False when there was nothing to do."""
+    plan = self._agree(self._plan() if self.leader else None)
+    return self._run(plan)
 
-  def _steps(self) -> int:
-    """Decode steps for the next call: one while a request waits for a free slot (it joins after this step) or
-    when every active request needs fewer than a chunk more tokens, else a chunk (one host round trip, not
-    `chunk`: what a small model's step on the CPU mostly is)."""
-    waiting = bool(self.queue) and len(self.active) < self.slots
-    most = max(r.limit - len(r.token_ids) for r in self.active.values())
-    return 1 if waiting or most < self.chunk else self.chunk
-
-  def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
-    """Steps until `stop` is set; waits for a request while there is nothing to do."""
+  def run(self, stop: threading.Event, idle_wait_s: float = IDLE_S) -> None:
+    """Steps until `stop` is set; waits for a request while there is nothing to do (process 0)."""
     while not stop.is_set():
       if not self.step():
         with self.lock:
-          if not self.queue:
+          if not self.queue and not stop.is_set():
             self.lock.wait(idle_wait_s)
+    if self.processes > 1:
+      self._agree(Plan(stop=True).encode())  # the other processes' follow() returns
 
-  def _admit(self) -> None:
-    import jax  # after runtime.start (module docstring)
+  def follow(self) -> None:
+    """The other processes' loop: run process 0's plans until it sends the last one."""
+    while True:
+      plan = self._agree(None)
+      if Plan.parse(plan).stop:
+        return
+      self._run(plan)
+
+  def _agree(self, plan: np.ndarray | None) -> np.ndarray:
+    """Process 0's encoded plan, on every process: one broadcast of its length, one of the plan padded to a power
+    of two (so that few sizes are ever compiled)."""
+    if self.processes == 1:
+      return plan
+    from jax.experimental import multihost_utils
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(plan) if self.leader else 0)))
+    padded = np.zeros(max(64, 1 << (n - 1).bit_length()), np.int32)
+    if self.leader:
+      padded[:n] = plan
+    return np.asarray(multihost_utils.broadcast_one_to_all(padded))[:n]
+
+  def _plan(self) -> np.ndarray:
+    """Process 0: what this step does, with its own bookkeeping (cancelled requests leave, admitted ones take their
+    slots), encoded for the other processes."""
+    for slot, request in list(self.active.items()):
+      if request.cancelled:
+        self._finish(slot, "cancelled")
+    plan = Plan()
+    if self.live is not None and self.swap_to is None:
+      self.swap_to = self.live.newer()
+    if self.swap_to is not None and not self.active:
+      plan.swap, self.swap_to = self.swap_to, None
+    held = {r.group for r in self.active.values()}  # groups that must finish on the checkpoint they started on
     free = [s for s in range(self.slots) if s not in self.active]
     while free:
       with self.lock:
-        if not self.queue:
-          return
+        if not self.queue or (self.swap_to is not None and self.queue[0].group not in held):
+          break
         request = self.queue.popleft()
       if request.cancelled:
         self._done(request, "cancelled")
         continue
       slot = free.pop(0)
-      ids = np.asarray(request.prompt_ids, np.int32)
+      self.active[slot] = request
+      plan.admit.append((slot, request))
+    if self.active:
+      waiting = bool(self.queue) and len(self.active) < self.slots
+      most = max(r.limit - len(r.token_ids) - (r in (a for _, a in plan.admit)) for r in self.active.values())
+      # One step while a request waits for a free slot (it joins after this step) or when every active request
+      # needs fewer than a chunk more tokens, else a chunk (one host round trip, not `chunk`: what a small model's
+      # step on the CPU mostly is).
+      plan.decode = 0 if most <= 0 else 1 if waiting or most < self.chunk else self.chunk
+    return plan.encode()
+
+  def _run(self, encoded: np.ndarray) -> bool:
+    """Runs a plan (every process); process 0 takes the new tokens."""
+    import jax  # after runtime.start (module docstring)
+    plan = Plan.parse(encoded)
+    if plan.swap is not None:
+      params = self.live.load(self.gen, plan.swap)
+      if params is not None:
+        self.params, self.step_served = params, plan.swap
+        if self.leader:
+          print(f"serving step {plan.swap} of {self.live.workdir} (nothing compiled again)", file=sys.stderr,
+                flush=True)
+    for slot, (ids, seed, temp, top_p, top_k) in plan.prompts:
       P = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
       R = self.gen.batch_ways
       tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
       tokens_RP[0, P - len(ids):] = ids
       start_R = np.full(R, P - 1, np.int32)
       start_R[0] = P - len(ids)
-      key_data = np.asarray(jax.random.key_data(jax.random.key(request.seed)))
+      key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
       rep = lambda x: place(np.asarray(x), self.replicated)
       self.state, token = self._prefill(P)(
-          self.gen.params, self.state, place(tokens_RP, self.batch_sharding), rep(start_R), rep(np.int32(slot)),
-          rep(key_data), rep(np.float32(request.temperature)), rep(np.float32(request.top_p)),
-          rep(np.int32(request.top_k)))
-      self.active[slot] = request
-      self._take(slot, request, int(token))
+          self.params, self.state, place(tokens_RP, self.batch_sharding), rep(start_R), rep(np.int32(slot)),
+          rep(key_data), rep(np.float32(temp)), rep(np.float32(top_p)), rep(np.int32(top_k)))
+      if self.leader:
+        request = self.active[slot]
+        request.step = self.step_served
+        self._take(slot, request, int(np.asarray(token)))
+    if plan.decode:
+      self.state, tokens_KB = self.decodes[plan.decode](self.params, self.state)
+      self.steps += plan.decode
+      if self.leader:
+        for token_B in np.asarray(tokens_KB):  # a request that ends within the chunk takes no more of its tokens
+          for slot, request in list(self.active.items()):
+            self._take(slot, request, int(token_B[slot]))
+    return bool(plan.swap is not None or plan.prompts or plan.decode)
 
   def _take(self, slot: int, request: Request, token: int) -> None:
     """A new token of the request in `slot`: its text, then whether it ends the request."""

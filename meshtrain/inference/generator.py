@@ -229,13 +229,10 @@ class Generator:
     boxed, given = shapes(self.model_cfg), shapes(dataclasses.replace(self.model_cfg, products=DenseProducts()))
     sharding.param_table(boxed, self.mesh, self.rules)  # a weight the mesh cannot split evenly: UserError naming it
     self.param_shardings = sharding.shardings_of(boxed, self.mesh, self.rules)
-    # Placed as given (the model's layout), then turned to the held layout on the devices, one weight at a time.
     is_leaf = lambda x: isinstance(x, nn.LogicallyPartitioned)
-    perms = jax.tree.map(lambda g, b: tuple(g.names.index(n) for n in b.names), given, boxed, is_leaf=is_leaf)
-    self.params = jax.tree.map(
-        lambda x, s, perm, held: _transpose(perm, held)(place(x, s)),
-        layers_as(params, self.model_cfg.num_layers, scan_layers),
-        sharding.shardings_of(given, self.mesh, self.rules), perms, self.param_shardings)
+    self._given_shardings = sharding.shardings_of(given, self.mesh, self.rules)
+    self._perms = jax.tree.map(lambda g, b: tuple(g.names.index(n) for n in b.names), given, boxed, is_leaf=is_leaf)
+    self.params = self.place_params(params)
     self.batch_ways = int(np.prod([self.mesh.shape[a] for a in mesh_lib.BATCH_AXES]))
     self.max_len = max_len
     self.add_bos = add_bos
@@ -270,6 +267,16 @@ class Generator:
                add_bos=add_bos if add_bos is not None else (
                    bool(meta.get("params_only")) and tokenizer.kind != "byte" and tokenizer.bos_id is not None),
                num_ids=num_ids, barrier_timeout_s=barrier_timeout_s)
+
+  def place_params(self, params):
+    """`params` (the model's tree as a checkpoint holds it: host or device arrays) placed as this generator holds
+    its own: the same shardings and layout, so every program compiled for `self.params` runs on them too (a newer
+    checkpoint of the same run, swapped in without compiling anything)."""
+    import jax  # after runtime.start (module docstring)
+    # Placed as given (the model's layout), then turned to the held layout on the devices, one weight at a time.
+    return jax.tree.map(lambda x, s, perm, held: _transpose(perm, held)(place(x, s)),
+                        layers_as(params, self.model_cfg.num_layers, self.model_cfg.scan_layers),
+                        self._given_shardings, self._perms, self.param_shardings)
 
   # --- prompts ---
 

@@ -3,11 +3,13 @@
 Starlette on uvicorn. The engine runs on one background thread that owns every JAX call; the handlers check a
 request, encode its prompt, submit it to the engine's queue and await its tokens, which the engine thread hands back
 through the event loop (`call_soon_threadsafe`). Endpoints: GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions (the run's chat template), with `stream: true` as server-sent events; GET /health,
-GET /metrics (Prometheus text). Errors are OpenAI-style JSON. SIGTERM (or Ctrl-C) stops accepting requests (503),
+POST /v1/chat/completions (the run's chat template), with `stream: true` as server-sent events; for a DiT run
+POST /v1/images/generations instead (meshtrain/inference/image_engine.py); GET /health, GET /metrics (Prometheus
+text). Errors are OpenAI-style JSON. SIGTERM (or Ctrl-C) stops accepting requests (503),
 lets the ones in flight finish within `grace_s`, and returns.
 """
 import asyncio
+import base64
 import dataclasses
 import hmac
 import json
@@ -24,7 +26,7 @@ from starlette.routing import Route
 
 from meshtrain.data.chat import ChatTemplate
 from meshtrain.errors import UserError
-from meshtrain.inference import engine as engine_lib
+from meshtrain.inference import engine as engine_lib, image_engine
 
 MAX_BODY_BYTES = 1 << 20
 MAX_N = 8
@@ -83,6 +85,9 @@ class Metrics:
     self.requests = prom.Counter("meshtrain_serve_requests", "requests finished (one per choice)", ["finish_reason"],
                                  registry=r)
     self.rejected = prom.Counter("meshtrain_serve_rejected_requests", "requests refused", ["status"], registry=r)
+    self.images = prom.Counter("meshtrain_serve_images", "images generated", registry=r)
+    self.image_latency = prom.Histogram("meshtrain_serve_image_request_latency_seconds",
+                                        "image request: submit to its PNGs", registry=r, buckets=buckets)
 
   def finished(self, request: engine_lib.Request) -> None:
     self.requests.labels(request.finish_reason).inc()
@@ -110,11 +115,12 @@ def number(body: dict, name: str, kind, default, low=None, high=None):
 
 class Server:
   """The Starlette app over `engine` (not yet running: `serve()` runs it with uvicorn, `start_engine` alone for
-  an app served otherwise). `model_name` is what /v1/models lists and responses name (RUN@STEP); `workdir` is where
-  the chat template is read; `api_key`, when set, is required as `Authorization: Bearer KEY` on every call."""
+  an app served otherwise). `run` names the model: /v1/models lists RUN@STEP, the step the engine serves now, and
+  each response names the step that answered it; `workdir` is where the chat template is read; `api_key`, when
+  set, is required as `Authorization: Bearer KEY` on every call."""
 
-  def __init__(self, engine, model_name: str, workdir=None, api_key: str | None = None, grace_s: float = 30.0):
-    self.engine, self.model_name, self.workdir = engine, model_name, workdir
+  def __init__(self, engine, run: str, workdir=None, api_key: str | None = None, grace_s: float = 30.0):
+    self.engine, self.run, self.workdir = engine, run, workdir
     self.api_key, self.grace_s = api_key, grace_s
     self.metrics = Metrics(engine)
     self.draining = False
@@ -127,7 +133,16 @@ class Server:
         Route("/v1/models", self.models, methods=["GET"]), Route("/health", self.health, methods=["GET"]),
         Route("/metrics", self.prometheus, methods=["GET"]),
         Route("/v1/completions", self.completions, methods=["POST"]),
-        Route("/v1/chat/completions", self.chat_completions, methods=["POST"])])
+        Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        Route("/v1/images/generations", self.images, methods=["POST"])])
+    self.makes_images = isinstance(engine, image_engine.ImageEngine)
+
+  @property
+  def model_name(self) -> str:
+    return self.name_at(self.engine.step_served)
+
+  def name_at(self, step: int | None) -> str:
+    return self.run if step is None else f"{self.run}@{step}"
 
   # --- the engine thread ---
 
@@ -170,6 +185,9 @@ class Server:
   async def completions(self, http: HttpRequest) -> Response:
     return await self.guarded(http, lambda body: self.complete(http, body, chat=False))
 
+  async def images(self, http: HttpRequest) -> Response:
+    return await self.guarded(http, lambda body: self.generate_images(http, body))
+
   async def chat_completions(self, http: HttpRequest) -> Response:
     return await self.guarded(http, lambda body: self.complete(http, body, chat=True))
 
@@ -211,9 +229,61 @@ class Server:
     return body
 
   def list_models(self, body) -> Response:
-    return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                     "created": self.created, "owned_by": "meshtrain",
-                                                     "max_model_len": self.engine.max_len}]})
+    model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshtrain"}
+    if not self.makes_images:
+      model["max_model_len"] = self.engine.max_len
+    return JSONResponse({"object": "list", "data": [model]})
+
+  def check_model(self, body: dict) -> None:
+    model = body.get("model")
+    # RUN, or RUN@STEP of any step: a client that read /v1/models before a newer checkpoint was swapped in still
+    # reaches the run (the response's `model` names the step that answered).
+    if model is not None and not (model == self.run or (isinstance(model, str) and model.startswith(self.run + "@")
+                                                        and model[len(self.run) + 1:].isdigit())):
+      raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                     param="model")
+
+  # --- images ---
+
+  async def generate_images(self, http: HttpRequest, body: dict) -> Response:
+    if not self.makes_images:
+      raise ApiError(400, "this server serves a language model: use /v1/completions or /v1/chat/completions "
+                          "(/v1/images/generations serves a DiT run)")
+    self.check_model(body)
+    if body.get("response_format", "b64_json") != "b64_json":
+      raise ApiError(400, "response_format must be b64_json (the images come back in the response; there are no "
+                          "URLs to fetch them from)", param="response_format")
+    height, width, _ = self.engine.image_shape
+    if body.get("size") not in (None, "auto", f"{width}x{height}"):
+      raise ApiError(400, f"size {body.get('size')!r}: this model draws {width}x{height} images", param="size")
+    if not isinstance(body.get("prompt"), (str, int)) or isinstance(body.get("prompt"), bool):
+      raise ApiError(400, "prompt must be a class: its id or its name", param="prompt")
+    loop = asyncio.get_running_loop()
+    finished = asyncio.Event()
+    try:
+      request = image_engine.ImageRequest(self.engine.label_of(body["prompt"]),
+                                          n=number(body, "n", int, 1, 1, self.engine.max_n),
+                                          seed=number(body, "seed", int, None, 0, 2**32 - 1),
+                                          on_done=lambda _: loop.call_soon_threadsafe(finished.set))
+      self.engine.submit(request)
+    except UserError as e:
+      raise ApiError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+    except engine_lib.QueueFull as e:
+      raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_exceeded",
+                     headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    try:
+      while not finished.is_set():
+        try:
+          await asyncio.wait_for(finished.wait(), timeout=0.5)
+        except TimeoutError:
+          if await http.is_disconnected():
+            return Response(status_code=499)
+    finally:
+      request.cancel()  # nothing if it ran
+    self.metrics.images.inc(len(request.pngs))
+    self.metrics.image_latency.observe(request.finished_at - request.submitted_at)
+    return JSONResponse({"created": int(time.time()), "model": self.name_at(request.step),
+                         "data": [{"b64_json": base64.b64encode(png).decode()} for png in request.pngs]})
 
   def metrics_text(self) -> Response:
     return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
@@ -253,10 +323,9 @@ class Server:
       raise ApiError(400, str(e), param="prompt") from None
 
   def asked(self, body: dict, chat: bool) -> Asked:
-    model = body.get("model")
-    if model is not None and model not in (self.model_name, self.model_name.split("@")[0]):
-      raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                     param="model")
+    if self.makes_images:
+      raise ApiError(400, "this server serves a DiT run: use /v1/images/generations")
+    self.check_model(body)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
@@ -267,7 +336,7 @@ class Server:
     return Asked(self.prompts_of(body, chat), number(body, length_key, int, 16 if not chat else
                                                      self.engine.max_len, 1),
                  number(body, "temperature", float, 1.0, 0.0), number(body, "top_p", float, 1.0, 0.0, 1.0),
-                 max(top_k, 0), number(body, "seed", int, None), tuple(s for s in stop if s),
+                 max(top_k, 0), number(body, "seed", int, None, -2**63, 2**63 - 1 - MAX_N), tuple(s for s in stop if s),
                  number(body, "n", int, 1, 1, MAX_N), bool(body.get("stream")),
                  isinstance(options, dict) and bool(options.get("include_usage")))
 
@@ -284,24 +353,20 @@ class Server:
         self.metrics.finished(request)
       loop.call_soon_threadsafe(updates.put_nowait, (request, delta, last))
 
-    requests = []
+    requests = [engine_lib.Request(prompt_ids=ids, max_tokens=asked.max_tokens, temperature=asked.temperature,
+                                   top_p=asked.top_p, top_k=asked.top_k,
+                                   seed=None if asked.seed is None else asked.seed + j, stop=asked.stop,
+                                   on_update=on_update)
+                for ids in asked.prompts for j in range(asked.n)]
     try:
-      for ids in asked.prompts:
-        for j in range(asked.n):
-          requests.append(engine_lib.Request(
-              prompt_ids=ids, max_tokens=asked.max_tokens, temperature=asked.temperature, top_p=asked.top_p,
-              top_k=asked.top_k, seed=None if asked.seed is None else asked.seed + j, stop=asked.stop,
-              on_update=on_update))
-          self.engine.submit(requests[-1])
+      self.engine.submit(*requests)  # together: one checkpoint answers all the choices
     except (UserError, engine_lib.QueueFull) as e:
-      for r in requests:
-        r.cancel()
       if isinstance(e, engine_lib.QueueFull):
         raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_exceeded",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
       raise ApiError(400, str(e).replace("shorten the prompt", "shorten the prompt or lower max_tokens"),
                      param="prompt" if "prompt" in str(e) else None) from None
-    reply = Reply(self.model_name, chat, requests)
+    reply = Reply(self, chat, requests)
     if asked.stream:
       return StreamingResponse(self.stream(reply, updates, asked.include_usage), media_type="text/event-stream")
     return await self.whole(http, reply, updates)
@@ -322,12 +387,16 @@ class Server:
   async def stream(self, reply: "Reply", updates: asyncio.Queue, include_usage: bool):
     self.inflight += 1  # the response outlives its handler
     try:
+      # Nothing is sent before the first update: every chunk names the checkpoint that answers, known once the
+      # request has a slot.
+      first = await updates.get()
       if reply.chat:
         yield reply.sse([reply.chunk(i, {"role": "assistant", "content": ""}, None)
                          for i in range(len(reply.requests))])
       unfinished = len(reply.requests)
       while unfinished:  # until every choice's last update, each read in the order the engine sent them
-        request, delta, last = await updates.get()
+        request, delta, last = first if first is not None else await updates.get()
+        first = None
         i = reply.requests.index(request)
         reason = reply.reason(request) if last else None
         unfinished -= last
@@ -350,10 +419,16 @@ class Server:
 class Reply:
   """The OpenAI response objects for a request's choices."""
 
-  def __init__(self, model: str, chat: bool, requests: list):
-    self.model, self.chat, self.requests = model, chat, requests
+  def __init__(self, server: Server, chat: bool, requests: list):
+    self.server, self.chat, self.requests = server, chat, requests
     self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
+
+  @property
+  def model(self) -> str:
+    """RUN@STEP of the checkpoint that answers (every choice's: they are admitted on one)."""
+    steps = [r.step for r in self.requests if r.step is not None]
+    return self.server.name_at(steps[0]) if steps else self.server.model_name
 
   @staticmethod
   def reason(request) -> str:
