@@ -177,8 +177,10 @@ class Engine:
     self.slots = -(-slots // generator.batch_ways) * generator.batch_ways  # whole rows on every batch shard
     self.max_len = generator.max_len
     self.max_bucket = -(-(self.max_len - 1) // PROMPT_BUCKET) * PROMPT_BUCKET
-    # A prompt of n tokens takes its bucket P <= n + 15 slots, then every new token but the last: P + max_len - n - 1.
-    self.cache_len = self.max_bucket + self.max_len
+    # A prompt of n tokens takes its bucket P <= n + 15 slots, then every new token but the last writes one:
+    # P + max_len - n - 1 <= max_len + 14 slots whatever n, and the longest bucket fits too. Every decode step
+    # attends over the whole row, so the row is no longer than that (not max_bucket + max_len: 1.8x the attention).
+    self.cache_len = max(self.max_len + PROMPT_BUCKET - 1, self.max_bucket)
     self.max_queue = max_queue
     self.queue: collections.deque[Request] = collections.deque()
     self.active: dict[int, Request] = {}  # slot -> its request
