@@ -396,6 +396,7 @@ def test_a_full_queue_is_429_with_retry_after(gen):
     thread.join(timeout=30)
 
 
+@pytest.mark.slow  # a whole training run, then a server process: the 3.11 suite runs it
 def test_live_checkpoints_swap_in_without_compiling(tmp_path):
   """Serving a run that is still training: a checkpoint that appears (renamed into place, as Orbax commits one) is
   swapped in once the request in flight ends, which keeps its checkpoint to its last token; the request that waited
@@ -454,6 +455,7 @@ def test_live_checkpoints_swap_in_without_compiling(tmp_path):
     proc.wait()
 
 
+@pytest.mark.slow  # several processes (the slow marker's kind): the 3.11 suite runs it
 def test_two_processes_serve_like_one(workdir, generated):
   """Two processes of 4 devices serve one model (fsdp=8 across both: every weight and slot row is split over the
   processes): process 0 serves HTTP and broadcasts each step's plan, both run it; concurrent greedy requests get
