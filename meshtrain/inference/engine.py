@@ -102,18 +102,28 @@ def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
   if num_ids < V:
     logits_BV = jnp.where(jnp.arange(V) < num_ids, logits_BV, -jnp.inf)
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  x_BV = logits_BV / jnp.where(temp_B > 0, temp_B, 1.0)[:, None]
-  sorted_BV = -jnp.sort(-x_BV, axis=-1)
-  kth_B1 = jnp.take_along_axis(sorted_BV, jnp.clip(top_k_B - 1, 0, V - 1)[:, None], axis=-1)
-  cut_k_B1 = (top_k_B > 0)[:, None]
-  x_BV = jnp.where(cut_k_B1 & (x_BV < kth_B1), -jnp.inf, x_BV)
-  sorted_BV = jnp.where(cut_k_B1 & (sorted_BV < kth_B1), -jnp.inf, sorted_BV)
-  p_BV = jax.nn.softmax(sorted_BV, axis=-1)
-  keep_BV = jnp.cumsum(p_BV, axis=-1) - p_BV < top_p_B[:, None]  # the most likely always stays
-  cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-  x_BV = jnp.where((top_p_B < 1)[:, None] & (x_BV < cutoff_B1), -jnp.inf, x_BV)
-  drawn_B = jax.vmap(lambda key, x_V: jax.random.categorical(key, x_V))(keys_B, x_BV).astype(jnp.int32)
-  return jnp.where(temp_B > 0, drawn_B, greedy_B)
+
+  def cut(x_BV):
+    """The top_k and top_p cuts of every row (a sort of each row's logits: only run when a row asks for one)."""
+    sorted_BV = -jnp.sort(-x_BV, axis=-1)
+    kth_B1 = jnp.take_along_axis(sorted_BV, jnp.clip(top_k_B - 1, 0, V - 1)[:, None], axis=-1)
+    cut_k_B1 = (top_k_B > 0)[:, None]
+    x_BV = jnp.where(cut_k_B1 & (x_BV < kth_B1), -jnp.inf, x_BV)
+    sorted_BV = jnp.where(cut_k_B1 & (sorted_BV < kth_B1), -jnp.inf, sorted_BV)
+    p_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    keep_BV = jnp.cumsum(p_BV, axis=-1) - p_BV < top_p_B[:, None]  # the most likely always stays
+    cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where((top_p_B < 1)[:, None] & (x_BV < cutoff_B1), -jnp.inf, x_BV)
+
+  def draw(_):
+    x_BV = logits_BV / jnp.where(temp_B > 0, temp_B, 1.0)[:, None]
+    x_BV = jax.lax.cond(jnp.any((temp_B > 0) & ((top_k_B > 0) | (top_p_B < 1))), cut, lambda x: x, x_BV)
+    drawn_B = jax.vmap(lambda key, x_V: jax.random.categorical(key, x_V))(keys_B, x_BV).astype(jnp.int32)
+    return jnp.where(temp_B > 0, drawn_B, greedy_B)
+
+  # Control flow on the device: a step whose rows are all greedy skips the draw, one without top_k/top_p the sort
+  # (the sort of a 128K vocabulary per row is most of a sampling step). The rows' tokens are the same either way.
+  return jax.lax.cond(jnp.any(temp_B > 0), draw, lambda _: greedy_B, None)
 
 
 @dataclasses.dataclass
