@@ -415,7 +415,8 @@ class Engine:
       plan.admit.append((slot, request))
     if self.active:
       waiting = bool(self.queue) and len(self.active) < self.slots
-      most = max(r.limit - len(r.token_ids) - (r in (a for _, a in plan.admit)) for r in self.active.values())
+      admitted = {r for _, r in plan.admit}  # their first token comes from this step's prefill
+      most = max(r.limit - len(r.token_ids) - (r in admitted) for r in self.active.values())
       # One step while a request waits for a free slot (it joins after this step) or when every active request
       # needs fewer than a chunk more tokens, else a chunk (one host round trip, not `chunk`: what a small model's
       # step on the CPU mostly is).

@@ -31,7 +31,6 @@ class ImageRequest:
   seed: int | None = None
   on_done: object = None
   pngs: list[bytes] = dataclasses.field(default_factory=list)
-  error: str | None = None
   submitted_at: float = 0.0
   finished_at: float | None = None
   step: int | None = None

@@ -24,10 +24,10 @@ class LiveCheckpoints:
     self.refused: set[int] = set()
     self._polled = time.monotonic()
 
-  def newer(self, now: float | None = None) -> int | None:
+  def newer(self) -> int | None:
     """The newest complete step past the served one, when a poll is due and there is one; else None."""
     from meshtrain import checkpoint  # Orbax's modules: imported once serving runs (JAX is up by then)
-    now = time.monotonic() if now is None else now
+    now = time.monotonic()
     if now - self._polled < self.poll_s:
       return None
     self._polled = now

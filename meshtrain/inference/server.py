@@ -100,6 +100,12 @@ class Metrics:
         self.tpot.observe((request.finished_at - request.first_token_at) / (len(request.token_ids) - 1))
 
 
+def busy(full: Exception) -> ApiError:
+  """The 429 for a full queue (either engine's QueueFull), with Retry-After."""
+  return ApiError(429, f"the server is busy ({full}); retry later", "rate_limit_exceeded",
+                  headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def number(body: dict, name: str, kind, default, low=None, high=None):
   """body[name] as `kind` (int or float) within [low, high]; ApiError 400 otherwise."""
   value = body.get(name)
@@ -269,8 +275,7 @@ class Server:
     except UserError as e:
       raise ApiError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
     except engine_lib.QueueFull as e:
-      raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_exceeded",
-                     headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+      raise busy(e) from None
     try:
       while not finished.is_set():
         try:
@@ -362,8 +367,7 @@ class Server:
       self.engine.submit(*requests)  # together: one checkpoint answers all the choices
     except (UserError, engine_lib.QueueFull) as e:
       if isinstance(e, engine_lib.QueueFull):
-        raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_exceeded",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise busy(e) from None
       raise ApiError(400, str(e).replace("shorten the prompt", "shorten the prompt or lower max_tokens"),
                      param="prompt" if "prompt" in str(e) else None) from None
     reply = Reply(self, chat, requests)
