@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import two_processes
 
 from meshtrain import config as config_lib, train
 from meshtrain.data import files, mixture, packing, select, sft, stats, tokenizer
+from meshtrain.data import __main__ as data_cli
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 
@@ -95,6 +97,64 @@ def test_every_format_converts_to_the_same_documents_and_split(tmp_path):
   assert len(converted_dirs(tmp_path)) == len(names)
 
 
+# Records whose text crosses any read boundary: multi-byte characters (split mid-character by small reads), \u escapes
+# and surrogate pairs, nesting, and numbers that a cut read would end early ("1" of "1e+300").
+ARRAY_RECORDS = [{"text": d, "id": i, "n": [1e300, -12345678901234567890, 0.5], "m": {"k": None, "ok": True}}
+                 for i, d in enumerate(DOCS[:40])] + [{"text": "😀 \"quoted\" \\ tab\t"}]
+
+
+def write_array(path: pathlib.Path, records, ascii_only=False) -> pathlib.Path:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(" \n" + json.dumps(records, ensure_ascii=ascii_only, indent=1) + "\n", encoding="utf-8")
+  return path
+
+
+def test_json_array_is_read_a_chunk_at_a_time(tmp_path, monkeypatch):
+  item = files.Input("json", write_array(tmp_path / "a.json", ARRAY_RECORDS), (tmp_path / "a.json",))
+  ascii_item = files.Input("json", write_array(tmp_path / "b.json", ARRAY_RECORDS, True), (tmp_path / "b.json",))
+  fields = files.Fields("text", ("text",))
+  expected = [(f"{item.path}[{i}]", r) for i, r in enumerate(ARRAY_RECORDS)]
+  for chunk in (1, 2, 3, 7, 64, files.JSON_CHUNK):
+    monkeypatch.setattr(files, "JSON_CHUNK", chunk)
+    assert list(files.records(item, fields)) == expected, chunk
+    assert [r for _, r in files.records(ascii_item, fields)] == ARRAY_RECORDS, chunk
+  # Bounded memory: the first record comes after a few reads, not the file.
+  opened = []
+  def spy_open(*args, **kwargs):
+    opened.append(open(*args, **kwargs))  # pylint: disable=consider-using-with
+    return opened[-1]
+  monkeypatch.setattr(files, "open", spy_open, raising=False)
+  monkeypatch.setattr(files, "JSON_CHUNK", 64)
+  reader = files.records(item, fields)
+  assert next(reader) == expected[0]
+  assert opened[-1].tell() < 1024 < item.path.stat().st_size // 4
+  reader.close()
+  monkeypatch.undo()
+  # And through a conversion, with reads that split nearly every record.
+  monkeypatch.setattr(files, "JSON_CHUNK", 5)
+  cfg = make_cfg(tmp_path, eval_fraction=0.0)
+  assert split_texts(cfg, "train", str(item.path)) == [r["text"] for r in ARRAY_RECORDS]
+
+
+def test_json_array_bad_records_name_the_record_and_byte_offset(tmp_path, monkeypatch):
+  monkeypatch.setattr(files, "JSON_CHUNK", 5)  # the messages do not depend on where the reads fall
+  head, tail = b'[{"text": "a"},\n {"text": "', b'"},\n {"text": "b"}, {"text": "c"}]'
+  cases = [(b"caf\xe9", "not UTF-8 at byte offset {} of the file (b'\\xe9\"}},'); re-encode the file as UTF-8",
+            b"\xe9", ["a", "b", "c"]),
+           (b'x" "y', "not valid JSON (Expecting ',' delimiter at byte offset {}); the records after it in the array "
+            "are not read", b'"y', ["a"])]
+  for n, (bad, message, at, kept) in enumerate(cases):
+    raw, root = head + bad + tail, tmp_path / str(n)
+    root.mkdir()
+    (root / "bad.json").write_bytes(raw)
+    with pytest.raises(UserError, match=re.escape(f"bad.json[1]: {message.format(raw.index(at))}")):
+      split_texts(make_cfg(root, eval_fraction=0.0), "train", str(root / "bad.json"))
+    assert converted_dirs(root) == []
+    # Skipped: a record that is not UTF-8 alone; one that is not JSON ends the array (its end cannot be found).
+    cfg = make_cfg(root, str(root / "bad.json"), eval_fraction=0.0, skip_bad_records=True)
+    assert split_texts(cfg, "train", cfg.data.name) == kept and files.skipped_records(cfg) == 1
+
+
 def test_conversion_is_keyed_by_content_and_done_once(tmp_path, capsys):
   src = write_jsonl(tmp_path / "a" / "corpus.jsonl", [{"text": d} for d in DOCS])
   cfg = make_cfg(tmp_path)
@@ -157,6 +217,63 @@ def test_bad_record_names_file_and_line_and_leaves_nothing(tmp_path, case):
   assert files.skipped_records(cfg) == 0  # data.name is not this file
   cfg.data.name = str(tmp_path / "bad.jsonl")
   assert files.skipped_records(cfg) == 1
+
+
+def write_bad_input(case: str, root: pathlib.Path) -> pathlib.Path:
+  """A corpus of `case` (a key of OTHER_BAD_CASES): good documents and one bad; its data.name."""
+  import datasets
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  root.mkdir(parents=True)
+  texts = ["one", "two", None, "three"]  # a null where the text should be: "row 2" is bad
+  if case.startswith("parquet"):
+    pq.write_table(pa.table({"text" if case == "parquet row" else "body": texts, "id": [0, 1, 2, 3]}),
+                   root / "bad.parquet", row_group_size=2)
+    return root / "bad.parquet"
+  if case.startswith("datasets"):
+    datasets.Dataset.from_dict({"text" if case == "datasets row" else "content": texts}).save_to_disk(str(root / "hf"))
+    return root / "hf"
+  if case == "txt not utf-8":
+    for i, text in enumerate(["one", "two", "three"]):
+      (root / f"{i}.txt").write_text(text, encoding="utf-8")
+    (root / "3.txt").write_bytes("naïve café".encode() + b" caf\xe9")  # Latin-1 after UTF-8
+    return root
+  write_array(root / "a.json", [{"text": "four"}])
+  (root / "b.json").write_bytes(b'[{"text": "ok"}, {"text": "caf\xe9"}]')
+  return root / "*.json"
+
+
+OTHER_BAD_CASES = {  # case: (the error line, the documents kept when data.skip_bad_records=true; None: not skippable)
+    "parquet row": (r"bad\.parquet row 2: 'text' holds NoneType, not text; fix it, or set data.skip_bad_records=true",
+                    ["one", "two", "three"]),
+    "datasets row": (r"hf row 2: 'text' holds NoneType, not text; fix it", ["one", "two", "three"]),
+    "parquet column": (r"bad\.parquet has no column 'text' \(its columns: 'body', 'id'\); set data\.text_key to the "
+                       "column that holds it$", None),
+    "datasets column": (r"hf has no column 'text' \(its columns: 'content'\); set data\.text_key", None),
+    "txt not utf-8": (r"3\.txt: not UTF-8 at byte offset 16 \(b'\\xe9'\); re-encode the file as UTF-8; fix it",
+                      ["one", "two", "three"]),
+    "json not utf-8": (r"b\.json\[1\]: not UTF-8 at byte offset 30 of the file \(b'\\xe9\"}\]'\); re-encode",
+                       ["four", "ok"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OTHER_BAD_CASES))
+def test_bad_parquet_datasets_txt_json_input_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch, case):
+  message, kept = OTHER_BAD_CASES[case]
+  monkeypatch.setattr(files, "PARQUET_BATCH", 1)  # the bad row in a later read than the first: rows count on
+  name = write_bad_input(case, tmp_path / "src")
+  capsys.readouterr()  # save_to_disk's progress bar
+  # The CLI in this process (the subprocess test above shows the same for a new interpreter).
+  assert data_cli.main(["stats", "--config", str(REPO / "configs" / "tiny.py"), "--steps", "1",
+                        f"--config.data.data_dir={tmp_path / 'tfds'}", f"--config.data.name={name}"]) == 2
+  [line] = capsys.readouterr().err.splitlines()
+  assert re.search("^error: .*" + message, line), line
+  # Nothing but the content hashes and the conversion's lock file.
+  assert [p for p in (tmp_path / "tfds").rglob("*")
+          if p.is_file() and "hashes" not in p.parts and p.suffix != ".lock"] == []
+  if kept is not None:
+    cfg = make_cfg(tmp_path, str(name), eval_fraction=0.0, skip_bad_records=True)
+    assert sorted(split_texts(cfg, "train", cfg.data.name)) == sorted(kept) and files.skipped_records(cfg) == 1
 
 
 def test_bad_paths_and_empty_corpora(tmp_path):
@@ -322,6 +439,19 @@ def test_training_on_files_resumes_exactly(two_corpora, tmp_path):
   losses = [[json.loads(l).get("loss") for l in (tmp_path / w / "metrics.jsonl").read_text().splitlines()]
             for w in ("full", "resumed")]
   assert losses[0] == losses[1] and None not in losses[0][:4]
+
+
+@pytest.mark.slow  # a whole training run
+def test_training_on_a_parquet_txt_and_datasets_mixture(tmp_path):
+  names = write_every_format(tmp_path / "src")
+  spec = f"{tmp_path / 'src' / 'parquet' / 'a.parquet'}=2,{tmp_path / 'src' / 'txt' / '*.txt'}=1,{names['datasets']}=1"
+  assert train.main(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "run"), "--config.steps=2",
+                     "--config.seq_len=32", "--config.batch_size=8", "--config.eval_every=0", "--config.log_every=1",
+                     f"--config.data.data_dir={tmp_path / 'tfds'}", f"--config.data.mixture={spec}"]) == 0
+  records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  losses = [r["loss"] for r in records if "loss" in r]
+  assert len(losses) == 2 and all(np.isfinite(losses))
+  assert len(converted_dirs(tmp_path)) == 3  # each source converted once, as its own dataset
 
 
 TWO_PROCESS_TOKENIZE = """

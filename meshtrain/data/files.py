@@ -26,6 +26,7 @@ manifest, and written to the run's metrics as data/skipped_records).
 pyarrow (a dependency of tensorflow-datasets) reads .parquet files and `datasets` directories; `datasets` itself is
 not needed. TFDS, array_record and pyarrow are imported only when files are converted or opened.
 """
+import codecs
 import contextlib
 import dataclasses
 import hashlib
@@ -33,6 +34,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 
@@ -50,6 +52,9 @@ FORMAT = 1
 SKIP_HINT = "; fix it, or set data.skip_bad_records=true to skip (and count) records that cannot be read"
 HASH_CHUNK = 1 << 20
 PARQUET_BATCH = 1024  # rows per read: bounded memory whatever the file's size
+# Bytes read at a time from a .json array: memory holds about this much and the record being parsed, whatever the
+# file's size (a constant so tests can lower it and split records across reads).
+JSON_CHUNK = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,24 +264,119 @@ def _json_lines(path: pathlib.Path):
 
 
 def _json_file(path: pathlib.Path):
-  """A .json file: a JSON array of records (read whole), or JSON lines (what `datasets`' to_json writes)."""
+  """A .json file: a JSON array of records (streamed), or JSON lines (what `datasets`' to_json writes)."""
   with open(path, "rb") as f:
     head = f.read(4096).lstrip()
   if not head.startswith(b"["):
     yield from _json_lines(path)
     return
-  raw = path.read_bytes()
-  try:
-    records = json.loads(raw.decode("utf-8"))
-  except UnicodeDecodeError as e:
-    yield f"{path}", BadRecord(f"{path}: not UTF-8 at byte offset {e.start} ({raw[e.start:e.start + 4]!r}); "
-                               "re-encode the file as UTF-8")
-    return
-  except json.JSONDecodeError as e:
-    yield f"{path}", BadRecord(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})")
-    return
-  for i, record in enumerate(records):
-    yield f"{path}[{i}]", record
+  yield from _json_array(path)
+
+
+# An error this close to the end of what has been read may only mean the record goes on past it: read more first.
+_JSON_TAIL = 16
+# What a byte that is not UTF-8 decodes to under surrogateescape; valid UTF-8 never decodes to these.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+class _ArrayText:
+  """A .json file's text, decoded a chunk at a time, with the byte offset of each character kept for messages.
+
+  Bytes that are not UTF-8 are decoded with surrogateescape, so the JSON structure around them still parses and only
+  the record holding them is bad."""
+
+  def __init__(self, f):
+    self.f = f
+    self.decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+    self.text = ""
+    self.start = 0  # byte offset in the file of self.text[0]
+    self.eof = False
+    self.has_bad_bytes = False
+
+  def more(self, keep_from: int) -> int:
+    """Drops the text before `keep_from`, reads the next chunk; the new index of what was at `keep_from`."""
+    self.start += len(self.text[:keep_from].encode("utf-8", "surrogateescape"))
+    # At least as much as is kept, so the reads double: a record longer than a chunk is parsed again a few times
+    # (its total cost linear in its length), not once per chunk.
+    chunk = self.f.read(max(JSON_CHUNK, len(self.text) - keep_from))
+    self.eof = not chunk
+    self.text = self.text[keep_from:] + self.decoder.decode(chunk, final=self.eof)
+    self.has_bad_bytes = _NOT_UTF8.search(self.text) is not None  # once per read, not per record
+    return 0
+
+  def offset(self, pos: int) -> int:
+    return self.start + len(self.text[:pos].encode("utf-8", "surrogateescape"))
+
+  def skip_space(self, pos: int) -> int:
+    """The index of the next character that is not JSON whitespace (len(text) at the end of the file)."""
+    while True:
+      pos = _WHITESPACE.match(self.text, pos).end()
+      if pos < len(self.text) or self.eof:
+        return pos
+      pos = self.more(pos)
+
+  def not_utf8(self, where: str, begin: int, end: int) -> BadRecord | None:
+    found = _NOT_UTF8.search(self.text, begin, end) if self.has_bad_bytes else None
+    if found is None:
+      return None
+    raw = self.text[found.start():found.start() + 4].encode("utf-8", "surrogateescape")
+    return BadRecord(f"{where}: not UTF-8 at byte offset {self.offset(found.start())} of the file ({raw!r}); "
+                     "re-encode the file as UTF-8")
+
+
+def _json_array(path: pathlib.Path):
+  """(where, record or BadRecord) for each element of a top-level JSON array, parsed one at a time from text read
+  JSON_CHUNK bytes at a time. A record that is not JSON ends the file (where the next record starts cannot be told),
+  and a record holding bytes that are not UTF-8 is bad alone."""
+  decoder = json.JSONDecoder()
+  unreadable = "; the records after it in the array are not read"
+  with open(path, "rb") as f:
+    text = _ArrayText(f)
+    pos = text.skip_space(text.more(0))
+    if text.text[pos:pos + 1] != "[":  # what the caller's bytes.lstrip() skips is more than JSON's whitespace
+      yield f"{path}", BadRecord(f"{path}: not valid JSON (expecting '[' at byte offset {text.offset(pos)})")
+      return
+    pos, index = pos + 1, 0
+    while True:
+      where = f"{path}[{index}]"
+      pos = text.skip_space(pos)
+      if pos == len(text.text):
+        yield where, BadRecord(f"{where}: not valid JSON (the file ends inside the array, at byte offset "
+                               f"{text.offset(pos)}: is it cut short?)")
+        return
+      if text.text[pos] == "]":
+        break
+      if index:
+        if text.text[pos] != ",":
+          yield where, (text.not_utf8(where, pos, pos + 1) or BadRecord(
+              f"{where}: not valid JSON (expecting ',' or ']' after record {index - 1} at byte offset "
+              f"{text.offset(pos)}){unreadable}"))
+          return
+        pos = text.skip_space(pos + 1)
+      while True:
+        try:
+          record, end = decoder.raw_decode(text.text, pos)
+        except json.JSONDecodeError as e:
+          # A record cut by the end of what was read fails near that end (or, inside a string, as unterminated):
+          # read more and parse it again from its start. Anywhere else the record is not JSON.
+          if not text.eof and (e.pos + _JSON_TAIL >= len(text.text) or e.msg.startswith("Unterminated string")):
+            pos = text.more(pos)
+            continue
+          yield where, (text.not_utf8(where, pos, e.pos + 1) or BadRecord(
+              f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at byte offset {text.offset(e.pos)})"
+              f"{unreadable}"))
+          return
+        if not text.eof and end + _JSON_TAIL > len(text.text):  # a number ("1" of "1e+30") may go on past the read
+          pos = text.more(pos)
+          continue
+        break
+      yield where, text.not_utf8(where, pos, end) or record
+      pos, index = end, index + 1
+    end = text.skip_space(pos + 1)
+    if end < len(text.text):
+      yield f"{path}", BadRecord(f"{path}: not valid JSON (more after the array's closing ']', at byte offset "
+                                 f"{text.offset(end)})")
 
 
 def _txt_file(path: pathlib.Path, key: str):
