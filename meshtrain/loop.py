@@ -51,6 +51,8 @@ def train(cfg, workdir: pathlib.Path, preemption, extra_hooks, startup_clock) ->
   programs, initial_state = _compile(cfg, mesh, layout, init, fresh=start is None, with_eval=eval_src is not None)
   if start is None:
     state, start = initial_state, 0
+    if init is not None:  # the step init_from's parameters came from: a live source may have deleted the one resolved
+      init_record = init.describe()
   else:
     log(f"resumed from {ckpt.directory / str(start)}")
 

@@ -12,8 +12,11 @@ Outputs: the grid (--out, PNG: a labelled row per class), optionally the samples
 float32[N, H, W, C] in [0, 1] and `labels` int32[N], or FILE.npy and FILE.labels.npy), and on stdout the digits
 judge's sample accuracy and Frechet distance (meshtrain/inference/quality.py) when the run trained on digits.
 
+The run may still be training: a checkpoint its retention deletes while it is read is replaced by the newest one
+(the step sampled is the one printed); with --step N, that step or an error.
+
 Exit codes: 0 done, 2 a user mistake (classes outside the model's labels, guidance < 0, a workdir of a language
-model, missing checkpoint), one `error:` line.
+model, missing checkpoint, a --step deleted while it was read), one `error:` line.
 """
 import math
 import pathlib
@@ -101,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     ways = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
     cfg.batch_size = -(-len(args.classes) * args.per_class // ways) * ways
     layout = layout_lib.build(cfg, mesh)
-    params, _ = checkpoint.load_params(workdir, step, mesh=mesh, shardings=layout.state_sharding.params)
+    # The step whose config was read, unless a live run's retention deleted it since: then the newest (the step
+    # read is the one reported); a --step given is read or refused.
+    params, _, step = checkpoint.read_params(workdir, step, args.step is not None, mesh=mesh,
+                                             shardings=layout.state_sharding.params)
     labels, index = dit_sampler.class_labels(args.classes, args.per_class)
     images = dit_sampler.Sampler(layout, args.steps, args.guidance)(params, labels, index, args.seed)
     import jax  # pylint: disable=g-import-not-at-top

@@ -6,6 +6,10 @@ straight into this run's shardings (`reader.load_params`), so the source may hav
 
   PATH                      a workdir: its newest complete checkpoint
   PATH/checkpoints/N        that workdir's step N
+
+The source may be a run that is still training: when its retention (checkpoint_keep) deletes the newest step while
+it is read, the newest one there is then is read, recorded and logged instead; a step named as PATH/checkpoints/N
+is read or refused (one line). Nothing is written into the source.
 """
 import dataclasses
 import pathlib
@@ -30,11 +34,12 @@ HOW = ("point --config.init_from at a meshtrain workdir (its newest checkpoint),
        "or at a converted Hugging Face model (python -m meshtrain.convert from-hf HF_DIR --workdir W)")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Source:
   workdir: pathlib.Path
-  step: int
+  step: int  # the newest when resolved, unless named; initial_state sets the step it read (a live run's may be gone)
   meta: dict  # the checkpoint's meta item: its config, params_only for a converted model, its tokenizer
+  asked: bool  # init_from named the step (PATH/checkpoints/N): no other step will do
 
   def describe(self) -> dict:
     """What this run's checkpoints record about where its parameters came from."""
@@ -55,14 +60,23 @@ def resolve(cfg) -> Source:
     raise UserError(f"init_from={spec!r} does not exist; {HOW}")
   if not path.is_dir():
     raise UserError(f"init_from={spec!r} is a file, not a directory; {HOW}")
-  steps = reader.checkpoint_steps(path)
-  if not steps:
-    raise UserError(f"init_from={spec!r} holds no complete checkpoint (nothing under {path / 'checkpoints'}); {HOW}")
-  if step is not None and step not in steps:
-    raise UserError(f"init_from={spec!r}: {path} has no complete checkpoint at step {step}; it has steps "
-                    f"{', '.join(map(str, steps))}")
-  step = steps[-1] if step is None else step
-  source = Source(path, step, _read_meta(path, step))
+  for attempt in range(reader.RETRIES):
+    steps = reader.checkpoint_steps(path)
+    if not steps:
+      raise UserError(f"init_from={spec!r} holds no complete checkpoint (nothing under {path / 'checkpoints'}); "
+                      f"{HOW}")
+    if step is not None and step not in steps:
+      raise UserError(f"init_from={spec!r}: {path} has no complete checkpoint at step {step}; it has steps "
+                      f"{', '.join(map(str, steps))}")
+    picked = steps[-1] if step is None else step
+    try:
+      source = Source(path, picked, _read_meta(path, picked), asked=step is not None)
+      break
+    except UserError:
+      # The newest step, deleted by the source run's retention since it was listed: the newest there is now.
+      if step is None and attempt < reader.RETRIES - 1 and picked not in reader.checkpoint_steps(path):
+        continue
+      raise
   if (task := reader.task_of(source.meta)) != cfg.task:
     raise UserError(f"init_from={spec!r} is a task={task} model and this run is task={cfg.task}: its parameters "
                     f"cannot start this model; point init_from at a task={cfg.task} run")
@@ -119,8 +133,18 @@ def _flag_value(value) -> str:
 
 def initial_state(layout, source: Source):
   """The TrainState a fine-tuning run starts from: the source's parameters in this run's shardings (and
-  param_dtype), a fresh optimizer state, step 0."""
-  params, _ = reader.load_params(source.workdir, source.step, shardings=layout.state_sharding.params)
+  param_dtype), a fresh optimizer state, step 0. `source.step` and `source.meta` become those of the step read:
+  another one than resolved when a live source run's retention deleted that one meanwhile (unless it was named)."""
+  try:
+    params, meta, step = reader.read_params(source.workdir, source.step, source.asked,
+                                            shardings=layout.state_sharding.params)
+  except reader.StepVanished as e:
+    kept = ", ".join(map(str, reader.checkpoint_steps(source.workdir))) or "none now"
+    raise UserError(f"init_from: the checkpoint at step {e.step} in {source.workdir} was deleted while it was read "
+                    "(that run is still training and keeps only its newest checkpoints, checkpoint_keep); "
+                    + (f"point init_from at a step it keeps (steps {kept}) or at the workdir itself (its newest)"
+                       if source.asked else "start this run again")) from e
+  source.step, source.meta = step, meta
   dtypes = jax.tree.map(lambda a: a.dtype, layout.state_abstract.params)
 
   def fresh(params):

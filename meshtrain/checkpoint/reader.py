@@ -3,8 +3,9 @@ alone (host arrays or any mesh), all at once (`load_params`) or one at a time (`
 
 Readers (generate, sample, convert to-hf, init_from) may read a run that is still training: they never write into
 it (Orbax's own report of a failed read goes under the system's temporary directory, not WORKDIR/diagnostics/),
-and a step the trainer's retention (`checkpoint_keep`) deletes while it is read is `StepVanished`: load_params
-then reads the newest step again (when no step was asked for), callers of param_reader start over."""
+and a step the trainer's retention (`checkpoint_keep`) deletes while it is read is `StepVanished`: when the user
+did not ask for that step, load_params and read_params then read the newest step there is (`retrying`), callers
+of param_reader start over; a step the user asked for is a one-line error."""
 import contextlib
 import json
 import os
@@ -36,20 +37,25 @@ def run_meta(workdir_arg: str, step: int | None, what: str) -> tuple[int, dict]:
   plain JSON (no JAX), so an entry point can still set the device count and XLA flags from the run's config.
   `what` completes the message for a workdir without checkpoints ("pass the directory of ...")."""
   workdir = pathlib.Path(workdir_arg).expanduser()
-  steps = checkpoint_steps(workdir)
-  if not steps:
-    raise UserError(f"--workdir {workdir_arg}: " + ("no such directory" if not workdir.is_dir() else
-                    "no complete checkpoint in it") + f"; pass the directory of {what}")
-  if step is not None and step not in steps:
-    raise UserError(f"--step {step}: {workdir_arg} has checkpoints at steps {', '.join(map(str, steps))}")
-  step = step if step is not None else steps[-1]
-  meta_path = workdir / "checkpoints" / str(step) / "meta" / "metadata"
-  try:
-    meta = json.loads(meta_path.read_text())
-    meta["config"]  # pylint: disable=pointless-statement
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(f"cannot read the run's config from {meta_path}: {e}") from e
-  return step, meta
+  for attempt in range(RETRIES):
+    steps = checkpoint_steps(workdir)
+    if not steps:
+      raise UserError(f"--workdir {workdir_arg}: " + ("no such directory" if not workdir.is_dir() else
+                      "no complete checkpoint in it") + f"; pass the directory of {what}")
+    if step is not None and step not in steps:
+      raise UserError(f"--step {step}: {workdir_arg} has checkpoints at steps {', '.join(map(str, steps))}")
+    picked = step if step is not None else steps[-1]
+    meta_path = workdir / "checkpoints" / str(picked) / "meta" / "metadata"
+    try:
+      meta = json.loads(meta_path.read_text())
+      meta["config"]  # pylint: disable=pointless-statement
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      # The newest step, deleted by a live run's retention since it was listed: the newest there is now.
+      if step is None and attempt < RETRIES - 1 and _gone(meta_path.parents[1]):
+        continue
+      raise UserError(f"cannot read the run's config from {meta_path}: {e}") from e
+    return picked, meta
+  raise AssertionError("unreachable")
 
 
 class StepVanished(UserError):
@@ -110,26 +116,40 @@ def load_params(workdir, step: int | None = None, mesh=None, shardings=None, rul
   `StandardCheckpointer().restore(.../state)` does, and fails on another one with "Topology mismatch").
   Missing checkpoints or a step that is not there: UserError.
   """
-  def read():
+  params, meta, _ = read_params(workdir, step, step is not None, mesh, shardings, rules)
+  return params, meta
+
+
+def read_params(workdir, step: int | None, asked: bool, mesh=None, shardings=None, rules=None):
+  """(params, meta, the step read), read as load_params reads them. `asked`: the user asked for `step`, so it is
+  the only one to read. Otherwise `step` is the caller's own pick (the newest when it read the run's config, before
+  JAX started: sample, init_from), read if the run still has it; once a live run's retention deleted it, the
+  newest step there is then is read instead, and returned for the caller to report."""
+  def read(step):
+    if not asked and step is not None and step not in checkpoint_steps(workdir):
+      raise StepVanished(step, workdir)  # deleted since the caller picked it, before this read began: as mid-read
     source = _ParamsSource(workdir, step)
     if mesh is None and shardings is None:
-      return source.restore(source.stored), source.meta
+      return source.restore(source.stored), source.meta, source.step
     target_shardings = shardings if shardings is not None else _param_shardings(
         source.meta, mesh, rules, source.stored, source.workdir, source.step)
     target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), source.stored,
                           target_shardings)
-    return source.restore(target, ocp.checkpoint_utils.construct_restore_args(target)), source.meta
-  return retrying(read, step)
+    return source.restore(target, ocp.checkpoint_utils.construct_restore_args(target)), source.meta, source.step
+  return retrying(read, step, asked)
 
 
-def retrying(read, step: int | None):
-  """read() again while the step it reads is deleted under it (StepVanished), up to RETRIES times: each try reads
-  the newest step there is then. With a `step` asked for, there is nothing else to read: the first raises."""
+def retrying(read, step: int | None, asked: bool | None = None):
+  """read(step), then read(None) (the newest step there is then) while the step read is deleted under it
+  (StepVanished), up to RETRIES tries. A step the user asked for (`asked`; by default, any `step` given) is the
+  only one to read: the first StepVanished is raised. So it is in a run of several processes: one process reading
+  another step than the others would put two checkpoints' shards into one set of parameters."""
+  asked = step is not None if asked is None else asked
   for attempt in range(RETRIES):
     try:
-      return read()
+      return read(step if attempt == 0 else None)
     except StepVanished:
-      if step is not None or attempt == RETRIES - 1:
+      if asked or attempt == RETRIES - 1 or jax.process_count() > 1:
         raise
   raise AssertionError("unreachable")
 

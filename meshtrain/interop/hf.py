@@ -341,7 +341,7 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from meshtrain import checkpoint  # JAX and Orbax: only once the arguments are checked
   # A live run's retention may delete the step while it is exported: the newest again, from scratch.
-  return checkpoint.retrying(lambda: _export(checkpoint, src, step, target), step)
+  return checkpoint.retrying(lambda at_step: _export(checkpoint, src, at_step, target), step)
 
 
 def _export(checkpoint, src: pathlib.Path, step: int | None, target: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
