@@ -66,13 +66,15 @@ def parse_args(argv: list[str]):
   return args, cfg, workdir, step
 
 
-def language_engine(workdir, step: int, cfg, args):
+def language_engine(workdir, cfg, args):
   from meshtrain import mesh as mesh_lib, sharding
   from meshtrain.inference.engine import Engine
   from meshtrain.inference.generator import Generator
-  generator = Generator.from_workdir(workdir, step, mesh=mesh_lib.make_mesh(cfg.mesh),
+  # The --step asked for, else the newest (read again if a live run's retention deletes it while it is read).
+  generator = Generator.from_workdir(workdir, args.step, mesh=mesh_lib.make_mesh(cfg.mesh),
                                      rules=sharding.rules_for(cfg.sharding.rules), max_len=args.max_len,
                                      dtype=args.dtype)
+  step = generator.step
   live = LiveCheckpoints(workdir, step, args.follow_s) if args.step is None and args.follow_s > 0 else None
   engine = Engine(generator, slots=args.slots, max_queue=args.max_queue, step=step, live=live)
   if args.warm:
@@ -86,7 +88,7 @@ def image_engine(workdir, step: int, cfg, args):
   if jax.process_count() > 1:
     raise UserError("a DiT run is served by one process (its mesh over this host's devices); several processes "
                     "serve a language model")
-  return images.from_workdir(workdir, step, cfg, max_queue=args.max_queue)
+  return images.from_workdir(workdir, step, cfg, max_queue=args.max_queue, asked=args.step is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime.start(cfg)  # XLA flags, CPU devices: as train and generate
     from meshtrain.inference.server import Server  # after runtime.start: it imports JAX
     engine = (image_engine(workdir, step, cfg, args) if args.task == "dit" else
-              language_engine(workdir, step, cfg, args))
+              language_engine(workdir, cfg, args))
     if not engine.leader:
       # The other processes run process 0's plans until it stops; a signal (srun and the launcher send every process
       # one) is process 0's to act on: it drains, then ends their loop.

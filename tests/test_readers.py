@@ -196,6 +196,28 @@ def test_sample_reads_the_newest_step_when_its_own_is_deleted(dit, tmp_path, mon
   assert calls == [2] and not (tmp_path / "g2.png").exists()
 
 
+def test_a_server_starts_on_the_newest_step_when_its_own_is_deleted(run, tmp_path, monkeypatch):
+  """serve picks the newest step to read its config before JAX starts; deleted by the run's retention by the time
+  its parameters are read, the engine serves and follows the newest step there is then. A step asked for (serve
+  --step): a one-line error."""
+  from meshtrain import serve
+  from meshtrain.inference.generator import Generator
+  w = tmp_path / "w"
+  shutil.copytree(run, w)
+  restore, calls = retention(w)
+  monkeypatch.setattr(reader._ParamsSource, "restore", restore)
+  args, cfg, workdir, picked = serve.parse_args(["--workdir", str(w), "--slots", "1"])
+  engine = serve.language_engine(workdir, cfg, args)
+  assert picked == 2 and calls == [2, 1] and engine.step_served == engine.live.step == 1
+  shutil.rmtree(w)
+  shutil.copytree(run, w)
+  restore, calls = retention(w)
+  monkeypatch.setattr(reader._ParamsSource, "restore", restore)
+  with pytest.raises(UserError, match="deleted while it was read"):
+    Generator.from_workdir(w, 2)
+  assert calls == [2]
+
+
 def test_init_from_reads_the_newest_step_when_its_own_is_deleted(run, tmp_path, monkeypatch, capsys):
   """init_from=W resolves W's newest step before the run compiles; deleted by W's retention while its parameters
   are read, the run starts from the newest step there is then, and records and logs that one; nothing is written

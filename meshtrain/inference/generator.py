@@ -202,6 +202,7 @@ class Generator:
     from meshtrain.models.llama import DenseProducts, ModelConfig, Transformer
     if not isinstance(model_cfg, ModelConfig):
       model_cfg = ModelConfig.from_config(model_cfg)
+    self.step: int | None = None  # the checkpoint step of `params`, when from_workdir read them from a run
     scan_layers, products = backend_choice(scan_layers)
     # Generation runs the plain layer stack: no pipeline, no remat (nothing is differentiated), attention by the
     # cache path; a checkpoint trained pipelined (sequential layer order) has the same parameter tree.
@@ -258,15 +259,17 @@ class Generator:
     if tokenizer is None:  # the run's own, checked against the checkpoint's record of it before any restore
       tokenizer = tokenizer_lib.from_workdir(workdir, checkpoint.run_meta(str(workdir), step, "a run")[1].get(
           "tokenizer"))
-    params, meta = checkpoint.load_params(workdir, step, mesh=mesh,
-                                          rules=sharding.for_mesh(rules or sharding.rules_for("fsdp_tp"), mesh))
+    params, meta, read = checkpoint.read_params(workdir, step, step is not None, mesh=mesh,
+                                                rules=sharding.for_mesh(rules or sharding.rules_for("fsdp_tp"), mesh))
     saved = meta["config"]
     model = dict(saved["model"], **({"dtype": dtype} if dtype else {}))
-    return cls(params, model, tokenizer=tokenizer, mesh=mesh, rules=rules,
-               max_len=max_len if max_len is not None else saved.get("seq_len"),
-               add_bos=add_bos if add_bos is not None else (
-                   bool(meta.get("params_only")) and tokenizer.kind != "byte" and tokenizer.bos_id is not None),
-               num_ids=num_ids, barrier_timeout_s=barrier_timeout_s)
+    generator = cls(params, model, tokenizer=tokenizer, mesh=mesh, rules=rules,
+                    max_len=max_len if max_len is not None else saved.get("seq_len"),
+                    add_bos=add_bos if add_bos is not None else (
+                        bool(meta.get("params_only")) and tokenizer.kind != "byte" and tokenizer.bos_id is not None),
+                    num_ids=num_ids, barrier_timeout_s=barrier_timeout_s)
+    generator.step = read  # the newest when none was asked for, read again if a live run's retention deleted one
+    return generator
 
   def place_params(self, params):
     """`params` (the model's tree as a checkpoint holds it: host or device arrays) placed as this generator holds

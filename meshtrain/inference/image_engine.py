@@ -143,15 +143,16 @@ def class_names(cfg) -> list[str] | None:
     return None
 
 
-def from_workdir(workdir, step: int, cfg, max_queue: int = 64, max_n: int = 8) -> ImageEngine:
+def from_workdir(workdir, step: int, cfg, max_queue: int = 64, max_n: int = 8, asked: bool = True) -> ImageEngine:
   """An ImageEngine of the DiT run in `workdir` at `step`, with `cfg` from dit_sampler.run_config (its mesh and
-  rules), as `python -m meshtrain.sample` builds its sampler."""
+  rules), as `python -m meshtrain.sample` builds its sampler. Unless the user `asked` for that step, the newest
+  there is when a live run's retention deletes it first (the engine's `step` says which)."""
   from meshtrain import checkpoint, layout as layout_lib, mesh as mesh_lib
   mesh = mesh_lib.make_mesh(cfg.mesh)
   ways = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
   cfg.batch_size = ways  # the layout checks its batch against the mesh; the sampler pads each request's images
   layout = layout_lib.build(cfg, mesh)
-  params, _ = checkpoint.load_params(workdir, step, mesh=mesh, shardings=layout.state_sharding.params)
+  params, _, step = checkpoint.read_params(workdir, step, asked, mesh=mesh, shardings=layout.state_sharding.params)
   m = cfg.model
   return ImageEngine(dit_sampler.Sampler(layout, cfg.sample.steps, cfg.sample.guidance), params, m.num_classes,
                      (m.image_size, m.image_size, m.channels), step, class_names(cfg), max_queue, max_n)
