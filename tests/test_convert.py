@@ -391,6 +391,28 @@ def test_bad_hf_directories_are_refused(valid_hf, tmp_path, capsys):
   assert not (tmp_path / "w").exists()
 
 
+def test_tensor_shape_unlike_config_is_refused(valid_hf, tmp_path, capsys):
+  """Every tensor present but one of another shape than config.json implies (the changed num_hidden_layers above
+  gives a missing tensor instead): the one-line error names the file, the tensor and both shapes, from either side."""
+  from safetensors.numpy import load_file, save_file
+  bigger_mlp = tmp_path / "config_changed"  # config.json says intermediate_size 96; the weights hold 80
+  shutil.copytree(valid_hf, bigger_mlp)
+  config = json.loads((bigger_mlp / "config.json").read_text())
+  config["intermediate_size"] = 96
+  (bigger_mlp / "config.json").write_text(json.dumps(config))
+  assert run_convert("from-hf", bigger_mlp, "--workdir", tmp_path / "w") == 2
+  one_line_error(capsys, "model.safetensors: model.layers.0.mlp.gate_proj.weight has shape [80, 48], config.json "
+                 "implies [96, 48]")
+  one_head = tmp_path / "tensor_changed"  # one k_proj rewritten with one kv head of the config's two
+  shutil.copytree(valid_hf, one_head)
+  tensors = load_file(one_head / "model.safetensors")
+  tensors["model.layers.1.self_attn.k_proj.weight"] = tensors["model.layers.1.self_attn.k_proj.weight"][:16]
+  save_file(tensors, one_head / "model.safetensors", metadata={"format": "pt"})
+  assert run_convert("from-hf", one_head, "--workdir", tmp_path / "w") == 2
+  one_line_error(capsys, "model.layers.1.self_attn.k_proj.weight has shape [16, 48], config.json implies [32, 48]")
+  assert not (tmp_path / "w").exists()
+
+
 def test_to_hf_refuses_what_the_family_cannot_hold(tmp_path, capsys):
   from meshtrain import config as config_lib
   cfg = config_lib.base_config()

@@ -20,7 +20,8 @@ from meshtrain.models.llama import ModelConfig, Transformer
 
 SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
-# family variant: (transformers config class, its fields beyond SHAPE)
+# family variant: (transformers config class, its fields beyond SHAPE). Per family, tied and untied embeddings and a
+# head_dim other than hidden_size / num_attention_heads (12 here); SHAPE's 4 heads over 2 kv heads is GQA.
 VARIANTS = {
     "llama3": (transformers.LlamaConfig, dict(head_dim=16, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -31,10 +32,18 @@ VARIANTS = {
         "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 16})),
     "qwen2_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "default", "rope_theta": 1_000_000.0})),
+    # Qwen2Config's signature has no head_dim, but it keeps the keyword, writes it to config.json and its attention
+    # reads it (transformers 5.x): 16-wide heads here, as the imported head_dim and from-hf's shape check (q_proj
+    # [64, 48]) show.
+    "qwen2_head16": (transformers.Qwen2Config, dict(head_dim=16)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16)),
     "qwen3_tied_mha": (transformers.Qwen3Config, dict(head_dim=8, num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral_window": (transformers.MistralConfig, dict(head_dim=16, sliding_window=5)),
+    # MistralConfig's default window, 4096 (Mistral-7B-v0.1's), longer than any context here: plain attention.
+    "mistral_tied": (transformers.MistralConfig, dict(head_dim=8, tie_word_embeddings=True)),
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "mixtral_tied": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=3, sliding_window=None,
+                                                      head_dim=16, tie_word_embeddings=True)),
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -76,7 +85,8 @@ def greedy_of(workdir, prompt_BP, new):
   return np.asarray(out.token_ids)
 
 
-# The quick pass (-m "not slow", CI's second Python) converts one model per family; the full suite all eight.
+# The quick pass (-m "not slow", CI's second Python) converts one model per family; the full suite (CI's first Python)
+# all eleven: the other shapes, once in CI.
 QUICK = ("llama3", "qwen2_tied", "qwen3", "mistral_window", "mixtral")
 
 
@@ -96,8 +106,17 @@ def test_imports_with_transformers_logits(converted):
   assert model["hf_model_type"] == family
   assert model["attention_bias"] == (family == "qwen2") and model["qk_norm"] == (family == "qwen3")
   assert model["num_experts"] == (4 if family == "mixtral" else 0)
+  fields = VARIANTS[variant][1]  # the shape asked for is the shape made (a config class could drop a field)
+  assert model["head_dim"] == fields.get("head_dim", SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
+  assert model["num_kv_heads"] == fields.get("num_key_value_heads", SHAPE["num_key_value_heads"])
+  assert model["tie_embeddings"] == fields.get("tie_word_embeddings", False)
+  if family == "mixtral":
+    assert model["experts_per_token"] == fields["num_experts_per_tok"]
   assert model["rope_type"] == VARIANTS[variant][1].get("rope_parameters", {}).get("rope_type", "default")
-  assert model["sliding_window"] == (5 if variant == "mistral_window" else 0)
+  # Mistral's and Mixtral's window as config.json gives it (null: none); Qwen's applies only with use_sliding_window
+  window = json.loads((hf / "config.json").read_text()).get("sliding_window") if family in ("mistral", "mixtral") else 0
+  assert model["sliding_window"] == (window or 0)
+  assert variant != "mistral_window" or window == 5
   ours = logits_of(root / "w")
   assert_close(ours, hf_logits(hf))
   if variant == "mistral_window":  # the window is at work on these 12 tokens: without it the logits differ
