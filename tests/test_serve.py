@@ -433,7 +433,7 @@ def test_live_checkpoints_swap_in_without_compiling(tmp_path):
     engine.step()
   assert (first.step, second.step, engine.step_served) == (2, 4, 4)
   assert first.token_ids == expected[2] and second.token_ids == expected[4]
-  assert engine.decodes == programs[1] and engine.prefills.keys() == programs[0].keys() | {32}
+  assert engine.decodes == programs[1] and engine.prefills.keys() == programs[0].keys() | {(32, 1)}
   assert all(engine.prefills[k] is v for k, v in programs[0].items())
 
   shutil.rmtree(served / "checkpoints" / "4")

@@ -2,15 +2,18 @@
 
 JetStream's design, on a Generator's model, mesh, rules and placed parameters (meshtrain/inference/generator.py):
 
-- one KV cache of [slots, S] rows (S: the longest prompt bucket plus the context), sharded by the same logical
-  rules as training (`cache_batch` over the batch axes, `cache_kv_heads` over `tensor`), donated to every call;
-- `prefill`: one request's prompt, left-padded to a multiple of PROMPT_BUCKET exactly as Generator.generate pads it
-  (one compiled program per bucket, compiled on first use or by `warm()`), run through the model into a cache of
-  P slots, its first token sampled, and that cache inserted into a free slot row: slots [0, P) of the row, its own
-  first slot (start) and next slot (end); the same call, between decode steps;
+- one KV cache of [slots, S] rows (S: the context plus the longest padding a prompt bucket adds), sharded by the
+  same logical rules as training (`cache_batch` over the batch axes, `cache_kv_heads` over `tensor`), donated to
+  every call;
+- `prefill`: the prompts admitted in one step whose lengths share a bucket, each left-padded to that multiple of
+  PROMPT_BUCKET exactly as Generator.generate pads it, as the rows of one call (rows a power of two: one compiled
+  program per bucket and row count, compiled on first use or by `warm()`), run through the model into a cache of P
+  slots, their first tokens sampled, and each row's cache inserted into its free slot row: slots [0, P) of the row,
+  its own first slot (start) and next slot (end); between decode steps;
 - `decode`: ONE compiled step for all slots: each slot feeds its last token at its own next slot (KVCache.end is
   [slots]: every row writes and attends at its own position) and samples with its own temperature, top_p, top_k
-  and key (vectorized over the slots); slots that hold no request compute too, and nothing reads them.
+  and key (vectorized over the slots); slots that hold no request compute too, and nothing reads them. A call runs
+  a chunk of steps while no request waits for a slot and every request needs a chunk more, else one step.
 
 A slot is freed at its request's end-of-sequence token, max_tokens, the context, a stop string, or when the request
 is cancelled (the client went away). A request's token t is drawn with fold_in(key(seed), t) on its own row's
@@ -253,51 +256,59 @@ class Engine:
     import jax  # after runtime.start (module docstring)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
-  def _prefill(self, P: int):
-    """The compiled prefill-and-insert for prompts padded to P tokens (compiled on first use; with several
+  def _prefill(self, P: int, R: int):
+    """The compiled prefill-and-insert of R prompts padded to P tokens (compiled on first use; with several
     processes, all of them compile it in the same step, then wait for each other before its first run)."""
-    if P not in self.prefills:
-      self.prefills[P] = self._compile_prefill(P)
+    if (P, R) not in self.prefills:
+      self.prefills[P, R] = self._compile_prefill(P, R)
       runtime.barrier("serving's first run of a compiled prefill", self.gen.barrier_timeout_s)
-    return self.prefills[P]
+    return self.prefills[P, R]
 
-  def _compile_prefill(self, P: int):
+  def _rows(self, count: int) -> int:
+    """Rows of a prefill of `count` prompts: a power of two (few programs), whole rows on every batch shard."""
+    ways = self.gen.batch_ways
+    return -(-(1 << (max(count, ways) - 1).bit_length()) // ways) * ways
+
+  def _compile_prefill(self, P: int, R: int):
     import flax.linen as nn  # after runtime.start (module docstring)
     import jax
     import jax.numpy as jnp
     from meshtrain.models.llama import init_cache
     g, c = self.gen, self.gen.model_cfg
-    R = g.batch_ways  # rows of the prefill: the request's, then rows that only fill the batch axes
 
-    def prefill(params, state, tokens_RP, start_R, slot, key_data, temp, top_p, top_k):
+    def prefill(params, state, tokens_RP, start_R, slot_R, key_data_R, temp_R, top_p_R, top_k_R):
+      """Rows past the prompts (slot_R = slots, out of range) fill the batch: their writes are dropped."""
       logits_R1V, pre = g.model.apply({"params": params}, tokens_RP, cache=init_cache(c, R, P, start_R))
-      key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0)
-      token = sample_rows(logits_R1V[:1, 0], key[None], temp[None], top_p[None], top_k[None], g.num_ids)[0]
-      put = lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new[:1] if axis == 0 else new[:, :1],
-                                                                        slot, axis)
-      insert = lambda full, new: (tuple(put(f, n, 0) for f, n in zip(full, new)) if isinstance(full, tuple)
-                                  else put(full, new, 1))
+      keys_R = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_R), jnp.zeros(R, jnp.int32))
+      token_R = sample_rows(logits_R1V[:, 0], keys_R, temp_R, top_p_R, top_k_R, g.num_ids)
+      # Each prompt's P slots go to the front of its slot's row (a scatter over the rows: one call for them all).
+      insert = lambda full, new: (tuple(f.at[slot_R, :, :P].set(n, mode="drop") for f, n in zip(full, new))
+                                  if isinstance(full, tuple) else full.at[:, slot_R, :, :P].set(new, mode="drop"))
+      at = lambda x, new: x.at[slot_R].set(new, mode="drop")
       cache = state["cache"]
       cache = cache.replace(k_NBKSE=insert(cache.k_NBKSE, pre.k_NBKSE), v_NBKSE=insert(cache.v_NBKSE, pre.v_NBKSE),
-                            start_B=cache.start_B.at[slot].set(start_R[0]), end=cache.end.at[slot].set(P))
-      return {"cache": cache, "token_B": state["token_B"].at[slot].set(token), "t_B": state["t_B"].at[slot].set(1),
-              "key_B": state["key_B"].at[slot].set(key_data), "temp_B": state["temp_B"].at[slot].set(temp),
-              "top_p_B": state["top_p_B"].at[slot].set(top_p), "top_k_B": state["top_k_B"].at[slot].set(top_k)}, token
+                            start_B=at(cache.start_B, start_R), end=at(cache.end, jnp.full(R, P, jnp.int32)))
+      return {"cache": cache, "token_B": at(state["token_B"], token_R), "t_B": at(state["t_B"], jnp.ones(R, jnp.int32)),
+              "key_B": at(state["key_B"], key_data_R), "temp_B": at(state["temp_B"], temp_R),
+              "top_p_B": at(state["top_p_B"], top_p_R), "top_k_B": at(state["top_k_B"], top_k_R)}, token_R
 
-    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=self.replicated)
+    rows = lambda dtype, *shape: jax.ShapeDtypeStruct((R, *shape), dtype, sharding=self.replicated)
     args = (self._abstract(g.params), self._abstract(self.state),
-            jax.ShapeDtypeStruct((R, P), jnp.int32, sharding=self.batch_sharding),
-            jax.ShapeDtypeStruct((R,), jnp.int32, sharding=self.replicated), scalar(jnp.int32),
-            jax.ShapeDtypeStruct(self._key_shape(), jnp.uint32, sharding=self.replicated),
-            scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32))
+            jax.ShapeDtypeStruct((R, P), jnp.int32, sharding=self.batch_sharding), rows(jnp.int32),
+            rows(jnp.int32), rows(jnp.uint32, *self._key_shape()), rows(jnp.float32), rows(jnp.float32),
+            rows(jnp.int32))
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
       return jax.jit(prefill, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
           *args).compile()
 
   def warm(self, longest: int | None = None) -> None:
-    """Compiles the prefill of every bucket up to `longest` prompt tokens (default: the context) now."""
-    for P in range(PROMPT_BUCKET, min(longest or self.max_bucket, self.max_bucket) + 1, PROMPT_BUCKET):
-      self._prefill(P)
+    """Compiles the prefills of every bucket up to `longest` prompt tokens (default: the context), for every count
+    of prompts admitted at once, now."""
+    counts = sorted({self._rows(n) for n in range(1, self.slots + 1)})
+    last = min(-(-(longest or self.max_bucket) // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_bucket)  # its bucket
+    for P in range(PROMPT_BUCKET, last + 1, PROMPT_BUCKET):
+      for R in counts:
+        self._prefill(P, R)
 
   # --- requests ---
 
@@ -419,13 +430,13 @@ class Engine:
       most = max(r.limit - len(r.token_ids) - (r in admitted) for r in self.active.values())
       # One step while a request waits for a free slot (it joins after this step) or when every active request
       # needs fewer than a chunk more tokens, else a chunk (one host round trip, not `chunk`: what a small model's
-      # step on the CPU mostly is).
+      # step on the CPU mostly is). Powers of two below the chunk for the last few tokens measured no faster, and
+      # each is one more program to compile.
       plan.decode = 0 if most <= 0 else 1 if waiting or most < self.chunk else self.chunk
     return plan.encode()
 
   def _run(self, encoded: np.ndarray) -> bool:
     """Runs a plan (every process); process 0 takes the new tokens."""
-    import jax  # after runtime.start (module docstring)
     plan = Plan.parse(encoded)
     if plan.swap is not None:
       params = self.live.load(self.gen, plan.swap)
@@ -434,47 +445,67 @@ class Engine:
         if self.leader:
           print(f"serving step {plan.swap} of {self.live.workdir} (nothing compiled again)", file=sys.stderr,
                 flush=True)
-    for slot, (ids, seed, temp, top_p, top_k) in plan.prompts:
-      P = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
-      R = self.gen.batch_ways
-      tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
-      tokens_RP[0, P - len(ids):] = ids
-      start_R = np.full(R, P - 1, np.int32)
-      start_R[0] = P - len(ids)
-      key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-      rep = lambda x: place(np.asarray(x), self.replicated)
-      self.state, token = self._prefill(P)(
-          self.params, self.state, place(tokens_RP, self.batch_sharding), rep(start_R), rep(np.int32(slot)),
-          rep(key_data), rep(np.float32(temp)), rep(np.float32(top_p)), rep(np.int32(top_k)))
+    buckets = collections.defaultdict(list)  # one prefill call for the prompts of each bucket
+    for slot, prompt in plan.prompts:
+      buckets[-(-len(prompt[0]) // PROMPT_BUCKET) * PROMPT_BUCKET].append((slot, prompt))
+    for P, prompts in buckets.items():
+      tokens_R = self._prefill_rows(P, prompts)
       if self.leader:
-        request = self.active[slot]
-        request.step = self.step_served
-        self._take(slot, request, int(np.asarray(token)))
+        for (slot, _), token in zip(prompts, tokens_R):
+          request = self.active[slot]
+          request.step = self.step_served
+          self._take(slot, request, [int(token)])
     if plan.decode:
       self.state, tokens_KB = self.decodes[plan.decode](self.params, self.state)
       self.steps += plan.decode
       if self.leader:
-        for token_B in np.asarray(tokens_KB):  # a request that ends within the chunk takes no more of its tokens
-          for slot, request in list(self.active.items()):
-            self._take(slot, request, int(token_B[slot]))
+        tokens_BK = np.asarray(tokens_KB).T
+        for slot, request in list(self.active.items()):
+          self._take(slot, request, tokens_BK[slot].tolist())
     return bool(plan.swap is not None or plan.prompts or plan.decode)
 
-  def _take(self, slot: int, request: Request, token: int) -> None:
-    """A new token of the request in `slot`: its text, then whether it ends the request."""
+  def _prefill_rows(self, P: int, prompts: list) -> np.ndarray:
+    """Prefills the prompts of bucket P into their slots in one call (every process); their first tokens."""
+    import jax  # after runtime.start (module docstring)
+    R = self._rows(len(prompts))
+    tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
+    start_R = np.full(R, P - 1, np.int32)  # rows past the prompts: one padding token each, never written
+    slot_R = np.full(R, self.slots, np.int32)
+    key_data_R = np.zeros((R, *self._key_shape()), np.uint32)
+    temp_R, top_p_R, top_k_R = np.zeros(R, np.float32), np.ones(R, np.float32), np.zeros(R, np.int32)
+    for r, (slot, (ids, seed, temp, top_p, top_k)) in enumerate(prompts):
+      tokens_RP[r, P - len(ids):] = ids
+      start_R[r], slot_R[r] = P - len(ids), slot
+      key_data_R[r] = np.asarray(jax.random.key_data(jax.random.key(seed)))
+      temp_R[r], top_p_R[r], top_k_R[r] = temp, top_p, top_k
+    rep = lambda x: place(x, self.replicated)
+    self.state, token_R = self._prefill(P, R)(
+        self.params, self.state, place(tokens_RP, self.batch_sharding), rep(start_R), rep(slot_R), rep(key_data_R),
+        rep(temp_R), rep(top_p_R), rep(top_k_R))
+    return np.asarray(token_R)[:len(prompts)]
+
+  def _take(self, slot: int, request: Request, tokens: list[int]) -> None:
+    """New tokens of the request in `slot` (one decode call's): those up to its end, then its text, shown once."""
     if request.first_token_at is None:
       request.first_token_at = time.perf_counter()
-    request.token_ids.append(token)
-    eos = self.gen.eos_id
-    ids = request.token_ids[:-1] if token == eos else request.token_ids
-    request.text = self.gen.tokenizer.decode(np.asarray(ids, np.int32))
-    reason = None
-    for stop in request.stop:
-      if stop and (at := request.text.find(stop)) >= 0:
-        request.text, reason = request.text[:at], "stop"
-    if reason is None and token == eos:
-      reason = "stop"
-    elif reason is None and len(request.token_ids) >= request.limit:
-      reason = "length"
+    eos, reason = self.gen.eos_id, None
+    decode = lambda ids: self.gen.tokenizer.decode(np.asarray(ids, np.int32))
+    for token in tokens:
+      request.token_ids.append(token)
+      if request.stop:  # the text after each token: the request ends on the token that completes a stop string
+        request.text = decode(request.token_ids[:-1] if token == eos else request.token_ids)
+        for stop in request.stop:
+          if stop and (at := request.text.find(stop)) >= 0:
+            request.text, reason = request.text[:at], "stop"
+      if reason is None and token == eos:
+        reason = "stop"
+      elif reason is None and len(request.token_ids) >= request.limit:
+        reason = "length"
+      if reason is not None:
+        break
+    if not request.stop:
+      ids = request.token_ids
+      request.text = decode(ids[:-1] if ids[-1] == eos else ids)
     if request.cancelled:
       reason = "cancelled"
     if reason is not None:

@@ -13,6 +13,7 @@ import base64
 import dataclasses
 import hmac
 import json
+import sys
 import threading
 import time
 import uuid
@@ -32,6 +33,11 @@ MAX_BODY_BYTES = 1 << 20
 MAX_N = 8
 MAX_STOP = 4
 RETRY_AFTER_S = 1
+# How long a Python thread may hold the GIL while another waits for it (the interpreter's default is 5 ms). The
+# engine thread wants it back each time a device call returns, while the event loop's thread is writing responses:
+# at 5 ms, every return waited up to that long. 0.5 ms: +30% tokens/s at saturation (experiments/serve_bench.py,
+# benchmarks/2026-12-03-serve-2.md).
+SWITCH_INTERVAL_S = 0.0005
 
 
 class ApiError(Exception):
@@ -169,6 +175,7 @@ class Server:
     config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             lifespan="off")
     server = DrainingServer(config, self, on_ready)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     self.start_engine()
     try:
       server.run()
