@@ -36,8 +36,9 @@ def params():
   return random_params(MODEL)
 
 
-def make_generator(params, mesh=None, rules=None):
-  return generator.Generator(params, MODEL, num_ids=MODEL.vocab_size, max_len=MAX_LEN, mesh=mesh, rules=rules)
+def make_generator(params, mesh=None, rules=None, scan_layers=None):
+  return generator.Generator(params, MODEL, num_ids=MODEL.vocab_size, max_len=MAX_LEN, mesh=mesh, rules=rules,
+                             scan_layers=scan_layers)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +93,15 @@ def test_engine_greedy_equals_generate_alone_and_concurrent(gen, expected):
 
 
 def test_engine_on_a_tensor_parallel_mesh(params, expected):
+  """On data=2 x tensor=4, with the layers scanned as on a GPU (one stacked cache, [layers, slots, ...]: the
+  prefill's insert writes its rows into the stacked layout)."""
   mesh = mesh_lib.make_mesh({"data": 2, "tensor": 4})
-  engine = engine_lib.Engine(make_generator(params, mesh, sharding.rules_for("tp")), slots=3)
+  engine = engine_lib.Engine(make_generator(params, mesh, sharding.rules_for("tp"), scan_layers=True), slots=3)
   assert engine.slots == 4  # whole rows on both data shards
-  k = engine.state["cache"].k_NBKSE  # per layer on the CPU: [slots, kv heads, S, head dim]
-  assert tuple(k[0].sharding.spec)[:2] == ("data", "tensor")  # slots over data, kv heads over tensor
+  k = engine.state["cache"].k_NBKSE  # stacked: [layers, slots, kv heads, S, head dim]
+  assert k.ndim == 5 and tuple(k.sharding.spec)[1:3] == ("data", "tensor")  # slots over data, kv heads over tensor
   requests = [greedy(i) for i in range(len(PROMPTS))]
-  run_staggered(engine, requests, every=1)
+  run_staggered(engine, requests, every=1)  # prefills of 2 rows (one per data shard): a prompt and a dropped row
   assert [r.token_ids for r in requests] == expected
 
 
