@@ -46,7 +46,7 @@ import numpy as np
 
 from meshtrain import runtime
 from meshtrain.errors import UserError
-from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, place
+from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, bucket, place
 
 
 # Decode steps per device call while no request waits for a slot (Engine's `chunk`). A slot whose request ends
@@ -189,7 +189,7 @@ class Engine:
     self._groups = 0
     self.slots = -(-slots // generator.batch_ways) * generator.batch_ways  # whole rows on every batch shard
     self.max_len = generator.max_len
-    self.max_bucket = -(-(self.max_len - 1) // PROMPT_BUCKET) * PROMPT_BUCKET
+    self.max_bucket = bucket(self.max_len - 1)
     # A prompt of n tokens takes its bucket P <= n + 15 slots, then every new token but the last writes one:
     # P + max_len - n - 1 <= max_len + 14 slots whatever n, and the longest bucket fits too. Every decode step
     # attends over the whole row, so the row is no longer than that (not max_bucket + max_len: 1.8x the attention).
@@ -305,7 +305,7 @@ class Engine:
     """Compiles the prefills of every bucket up to `longest` prompt tokens (default: the context), for every count
     of prompts admitted at once, now."""
     counts = sorted({self._rows(n) for n in range(1, self.slots + 1)})
-    last = min(-(-(longest or self.max_bucket) // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_bucket)  # its bucket
+    last = min(bucket(longest or self.max_bucket), self.max_bucket)
     for P in range(PROMPT_BUCKET, last + 1, PROMPT_BUCKET):
       for R in counts:
         self._prefill(P, R)
@@ -447,7 +447,7 @@ class Engine:
                 flush=True)
     buckets = collections.defaultdict(list)  # one prefill call for the prompts of each bucket
     for slot, prompt in plan.prompts:
-      buckets[-(-len(prompt[0]) // PROMPT_BUCKET) * PROMPT_BUCKET].append((slot, prompt))
+      buckets[bucket(len(prompt[0]))].append((slot, prompt))
     for P, prompts in buckets.items():
       tokens_R = self._prefill_rows(P, prompts)
       if self.leader:

@@ -35,6 +35,11 @@ DECODE_MIN_ROWS = 2
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this, so nearby prompt lengths share one compiled prefill
 
 
+def bucket(tokens: int) -> int:
+  """The padded length of a prompt of `tokens` tokens: the next multiple of PROMPT_BUCKET."""
+  return -(-tokens // PROMPT_BUCKET) * PROMPT_BUCKET
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """temperature 0: greedy (argmax); else softmax(logits / temperature) restricted to the top_k most likely ids
@@ -441,7 +446,7 @@ class Generator:
       limits = np.full(len(ids), max_new_tokens)
     n = len(ids)
     B = -(-n // self.batch_ways) * self.batch_ways  # rows split evenly over the batch axes
-    P = -(-int(lengths.max()) // PROMPT_BUCKET) * PROMPT_BUCKET
+    P = bucket(int(lengths.max()))
     T = int(limits.max())
     self._check_cache_fits(B, P + T - 1, T)
     tokens_BP = np.full((B, P), self.pad_id, np.int32)
