@@ -3,6 +3,8 @@ hook attached from outside (bench's loop clock), and TensorBoard images."""
 import json
 import pathlib
 import struct
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -166,6 +168,33 @@ def test_metrics_writer_image_is_a_tensorboard_image(tmp_path):
   np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(value.image.encoded_image_string))), image)
   MetricsWriter(tmp_path / "other", 10, 0, enabled=False).image("samples", image, 1)  # not process 0: nothing
   assert not (tmp_path / "other").exists()
+
+
+WRITER_WITHOUT_TORCH = """
+import importlib.util, sys
+import numpy as np
+from meshtrain.metrics import MetricsWriter
+assert importlib.util.find_spec("torch"), "torch is not installed: nothing to check"
+writer = MetricsWriter(sys.argv[1], total_steps=2, start_step=0)
+writer.write({"step": 1, "loss": 2.0})
+writer.image("samples", np.zeros((4, 4, 3), np.uint8), step=1)
+writer.close()
+print("torch imported" if "torch" in sys.modules else "torch not imported")
+import torch  # still importable afterwards
+print("torch", torch.__version__)
+"""
+
+
+def test_metrics_writer_does_not_import_torch(tmp_path):
+  """tensorboardX imports torch whenever it is installed (2 s of every run's start-up): the writer keeps it out,
+  and its events (a scalar, an image) are still written; torch itself still imports afterwards."""
+  pytest.importorskip("torch")
+  proc = subprocess.run([sys.executable, "-c", WRITER_WITHOUT_TORCH, str(tmp_path)], capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines()[0] == "torch not imported" and proc.stdout.splitlines()[1].startswith("torch ")
+  tags = {v.tag for e in read_events(tmp_path / "tensorboard") for v in e.summary.value}
+  assert tags == {"loss", "samples"}
 
 
 def test_metrics_writer_close_on_a_full_disk_is_a_note_not_a_traceback(tmp_path, capsys):
