@@ -5,7 +5,8 @@
 # call carries, so a missing import, a bad flag or a broken step is found here and not on the GPU. Then
 # tests/test_gpu_ready.py on that JAX too (the suite runs it on the project's JAX 0.10).
 #
-#   experiments/gpu_dryrun.sh        # ~1.5 min with the environment in place, +~40 s to build it (.venv-gpu)
+#   experiments/gpu_dryrun.sh            # ~1.5 min with the environment in place, +~40 s to build it (.venv-gpu)
+#   experiments/gpu_dryrun.sh --prepare  # only (re)build the environment: .ci/run does it in the background early
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The GPU machine's versions that matter (KINDS.md of the device tool: Python 3.12.3, jax/jaxlib 0.11.2).
@@ -32,6 +33,9 @@ if [[ ! -x $VENV/bin/python ]] || [[ "$(cat $VENV/packages.txt 2>/dev/null)" != 
   # shellcheck disable=SC2086  # one word per package
   $VENV/bin/python -m pip install --quiet $PACKAGES >$VENV/install.log 2>&1 || { cat $VENV/install.log; exit 1; }
   echo "$PACKAGES" >$VENV/packages.txt
+fi
+if [[ ${1:-} == --prepare ]]; then
+  exit 0
 fi
 # The dry run proves nothing if this environment has what the GPU machine lacks.
 for missing in ml_collections grain tensorflow_datasets array_record; do
