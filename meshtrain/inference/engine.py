@@ -13,7 +13,9 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
 - `decode`: ONE compiled step for all slots: each slot feeds its last token at its own next slot (KVCache.end is
   [slots]: every row writes and attends at its own position) and samples with its own temperature, top_p, top_k
   and key (vectorized over the slots); slots that hold no request compute too, and nothing reads them. A call runs
-  a chunk of steps while no request waits for a slot and every request needs a chunk more, else one step.
+  a chunk of steps while no request waits for a slot and every request needs a chunk more, else one step. A call's
+  tokens are read on the next engine step: with every slot busy, after that step's call is dispatched (the device
+  computes it while the host hands out the last one's text), otherwise first (`Engine._ahead`).
 
 A slot is freed at its request's end-of-sequence token, max_tokens, the context, a stop string, or when the request
 is cancelled (the client went away). A request's token t is drawn with fold_in(key(seed), t) on its own row's
@@ -202,6 +204,9 @@ class Engine:
     self.chunk = max(1, chunk)
     self.prefills = {}  # bucket -> compiled prefill-and-insert
     self.steps = 0
+    # Process 0: the last decode call's tokens (still on the device), the requests of its slots and its steps, read
+    # on the next step: after that step's decode call is dispatched when it can be (`_ahead`), else first.
+    self.pending: tuple | None = None
     self._build()
 
   # --- compiled programs ---
@@ -377,6 +382,8 @@ class Engine:
         with self.lock:
           if not self.queue and not stop.is_set():
             self.lock.wait(idle_wait_s)
+    if self.pending is not None:
+      self._take_pending(self.pending)
     if self.processes > 1:
       self._agree(Plan(stop=True).encode())  # the other processes' follow() returns
 
@@ -403,6 +410,9 @@ class Engine:
   def _plan(self) -> np.ndarray:
     """Process 0: what this step does, with its own bookkeeping (cancelled requests leave, admitted ones take their
     slots), encoded for the other processes."""
+    if self.pending is not None and not self._ahead():
+      self._take_pending(self.pending)
+    behind = self.pending[2] if self.pending is not None else 0  # steps decoded but not yet read
     for slot, request in list(self.active.items()):
       if request.cancelled:
         self._finish(slot, "cancelled")
@@ -427,13 +437,35 @@ class Engine:
     if self.active:
       waiting = bool(self.queue) and len(self.active) < self.slots
       admitted = {r for _, r in plan.admit}  # their first token comes from this step's prefill
-      most = max(r.limit - len(r.token_ids) - (r in admitted) for r in self.active.values())
+      most = max(r.limit - len(r.token_ids) - behind - (r in admitted) for r in self.active.values())
       # One step while a request waits for a free slot (it joins after this step) or when every active request
       # needs fewer than a chunk more tokens, else a chunk (one host round trip, not `chunk`: what a small model's
       # step on the CPU mostly is). Powers of two below the chunk for the last few tokens measured no faster, and
       # each is one more program to compile.
       plan.decode = 0 if most <= 0 else 1 if waiting or most < self.chunk else self.chunk
     return plan.encode()
+
+  def _ahead(self) -> bool:
+    """Whether the next decode call can be dispatched before the last one's tokens are read (process 0): every slot
+    is busy (no request could be admitted before one leaves), none of them leaves by its length in the last call,
+    none is cancelled, and one needs a whole chunk more. The device then computes the next call while this thread
+    reads the last one's tokens, hands out their text and lets the server's event loop write them, instead of
+    waiting for all of that between calls. A request that ends early inside the last call (its end-of-sequence
+    token, a stop string) computes one chunk more for nothing, which nothing reads: its slot is freed a call later."""
+    steps, active = self.pending[2], self.active.values()
+    left = [r.limit - len(r.token_ids) - steps for r in active]
+    return (len(self.active) == self.slots and min(left) >= 1 and max(left) >= self.chunk
+            and not any(r.cancelled for r in active))
+
+  def _take_pending(self, pending: tuple) -> None:
+    """Reads a decode call's tokens (waiting for the device) and gives each request still in its slot its own."""
+    if pending is self.pending:
+      self.pending = None
+    tokens_KB, active, _ = pending
+    tokens_BK = np.asarray(tokens_KB).T
+    for slot, request in active.items():
+      if self.active.get(slot) is request:  # not finished (by an earlier call's tokens) or cancelled since
+        self._take(slot, request, tokens_BK[slot].tolist())
 
   def _run(self, encoded: np.ndarray) -> bool:
     """Runs a plan (every process); process 0 takes the new tokens."""
@@ -456,12 +488,12 @@ class Engine:
           request.step = self.step_served
           self._take(slot, request, [int(token)])
     if plan.decode:
-      self.state, tokens_KB = self.decodes[plan.decode](self.params, self.state)
+      self.state, tokens_KB = self.decodes[plan.decode](self.params, self.state)  # dispatched, not waited for
       self.steps += plan.decode
       if self.leader:
-        tokens_BK = np.asarray(tokens_KB).T
-        for slot, request in list(self.active.items()):
-          self._take(slot, request, tokens_BK[slot].tolist())
+        earlier, self.pending = self.pending, (tokens_KB, dict(self.active), plan.decode)
+        if earlier is not None:  # this call was dispatched ahead of reading the last one (`_ahead`): read it now
+          self._take_pending(earlier)
     return bool(plan.swap is not None or plan.prompts or plan.decode)
 
   def _prefill_rows(self, P: int, prompts: list) -> np.ndarray:
