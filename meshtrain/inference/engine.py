@@ -43,6 +43,7 @@ import secrets
 import sys
 import threading
 import time
+import typing
 
 import numpy as np
 
@@ -131,6 +132,14 @@ def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
   return jax.lax.cond(jnp.any(temp_B > 0), draw, lambda _: greedy_B, None)
 
 
+class DecodeCall(typing.NamedTuple):
+  """A decode call dispatched on process 0 and not yet read: its tokens [steps, slots] (on the device), the
+  requests that held its slots when it was dispatched, and its steps."""
+  tokens_KB: object
+  active: dict
+  steps: int
+
+
 @dataclasses.dataclass
 class Plan:
   """One engine step, as process 0 decides it: a checkpoint to swap in, prompts to admit (slot, (ids, seed,
@@ -204,9 +213,9 @@ class Engine:
     self.chunk = max(1, chunk)
     self.prefills = {}  # bucket -> compiled prefill-and-insert
     self.steps = 0
-    # Process 0: the last decode call's tokens (still on the device), the requests of its slots and its steps, read
-    # on the next step: after that step's decode call is dispatched when it can be (`_ahead`), else first.
-    self.pending: tuple | None = None
+    # Process 0: the last decode call, its tokens still on the device, read on the next step: after that step's
+    # decode call is dispatched when it can be (`_ahead`), else first.
+    self.pending: DecodeCall | None = None
     self._build()
 
   # --- compiled programs ---
@@ -383,7 +392,8 @@ class Engine:
           if not self.queue and not stop.is_set():
             self.lock.wait(idle_wait_s)
     if self.pending is not None:
-      self._take_pending(self.pending)
+      self._read(self.pending)
+      self.pending = None
     if self.processes > 1:
       self._agree(Plan(stop=True).encode())  # the other processes' follow() returns
 
@@ -411,8 +421,9 @@ class Engine:
     """Process 0: what this step does, with its own bookkeeping (cancelled requests leave, admitted ones take their
     slots), encoded for the other processes."""
     if self.pending is not None and not self._ahead():
-      self._take_pending(self.pending)
-    behind = self.pending[2] if self.pending is not None else 0  # steps decoded but not yet read
+      self._read(self.pending)
+      self.pending = None
+    behind = self.pending.steps if self.pending is not None else 0  # steps decoded but not yet read
     for slot, request in list(self.active.items()):
       if request.cancelled:
         self._finish(slot, "cancelled")
@@ -452,18 +463,15 @@ class Engine:
     reads the last one's tokens, hands out their text and lets the server's event loop write them, instead of
     waiting for all of that between calls. A request that ends early inside the last call (its end-of-sequence
     token, a stop string) computes one chunk more for nothing, which nothing reads: its slot is freed a call later."""
-    steps, active = self.pending[2], self.active.values()
-    left = [r.limit - len(r.token_ids) - steps for r in active]
+    active = self.active.values()
+    left = [r.limit - len(r.token_ids) - self.pending.steps for r in active]
     return (len(self.active) == self.slots and min(left) >= 1 and max(left) >= self.chunk
             and not any(r.cancelled for r in active))
 
-  def _take_pending(self, pending: tuple) -> None:
+  def _read(self, call: DecodeCall) -> None:
     """Reads a decode call's tokens (waiting for the device) and gives each request still in its slot its own."""
-    if pending is self.pending:
-      self.pending = None
-    tokens_KB, active, _ = pending
-    tokens_BK = np.asarray(tokens_KB).T
-    for slot, request in active.items():
+    tokens_BK = np.asarray(call.tokens_KB).T
+    for slot, request in call.active.items():
       if self.active.get(slot) is request:  # not finished (by an earlier call's tokens) or cancelled since
         self._take(slot, request, tokens_BK[slot].tolist())
 
@@ -491,9 +499,9 @@ class Engine:
       self.state, tokens_KB = self.decodes[plan.decode](self.params, self.state)  # dispatched, not waited for
       self.steps += plan.decode
       if self.leader:
-        earlier, self.pending = self.pending, (tokens_KB, dict(self.active), plan.decode)
+        earlier, self.pending = self.pending, DecodeCall(tokens_KB, dict(self.active), plan.decode)
         if earlier is not None:  # this call was dispatched ahead of reading the last one (`_ahead`): read it now
-          self._take_pending(earlier)
+          self._read(earlier)
     return bool(plan.swap is not None or plan.prompts or plan.decode)
 
   def _prefill_rows(self, P: int, prompts: list) -> np.ndarray:
