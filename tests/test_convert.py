@@ -413,6 +413,21 @@ def test_tensor_shape_unlike_config_is_refused(valid_hf, tmp_path, capsys):
   assert not (tmp_path / "w").exists()
 
 
+def test_a_tensor_the_config_has_not_is_refused(valid_hf, tmp_path, capsys):
+  """A bias on o_proj (which no family that converts has; Qwen2's biases are on q, k and v only) is named, not
+  dropped: converting without it would compute another model."""
+  from safetensors.numpy import load_file, save_file
+  o_bias = tmp_path / "o_bias"
+  shutil.copytree(valid_hf, o_bias)
+  tensors = load_file(o_bias / "model.safetensors")
+  tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(48, np.float32)
+  save_file(tensors, o_bias / "model.safetensors", metadata={"format": "pt"})
+  assert run_convert("from-hf", o_bias, "--workdir", tmp_path / "w") == 2
+  one_line_error(capsys, "holds 1 tensor(s) a LlamaForCausalLM with this config.json has not",
+                 "'model.layers.0.self_attn.o_proj.bias'")
+  assert not (tmp_path / "w").exists()
+
+
 def test_to_hf_refuses_what_the_family_cannot_hold(tmp_path, capsys):
   from meshtrain import config as config_lib
   cfg = config_lib.base_config()

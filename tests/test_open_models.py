@@ -249,3 +249,112 @@ def test_finetune_config_trains_a_converted_model_and_exports_it(tmp_path):
   assert run_convert("to-hf", "--workdir", tmp_path / "sft", "--out", tmp_path / "back") == 0
   assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
   assert_close(logits_of(tmp_path / "sft"), hf_logits(tmp_path / "back"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The hub's files as published, and what generation does with them.
+
+# config.json of each preset's model as published on the hub (written by transformers 4.x: rope_theta and
+# rope_scaling, no rope_parameters), the fields that matter for the computation.
+PUBLISHED = {
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-05, rope_theta=500000.0, tie_word_embeddings=True,
+        attention_bias=False, mlp_bias=False, hidden_act="silu", pretraining_tp=1, torch_dtype="bfloat16",
+        rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-05, rope_theta=500000.0, tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False, hidden_act="silu", pretraining_tp=1, torch_dtype="bfloat16",
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "qwen2.5-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+        max_position_embeddings=32768, rms_norm_eps=1e-06, rope_theta=1000000.0, tie_word_embeddings=True,
+        hidden_act="silu", use_sliding_window=False, sliding_window=32768, max_window_layers=24, rope_scaling=None,
+        torch_dtype="bfloat16"),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-06, rope_theta=1000000, tie_word_embeddings=True,
+        attention_bias=False, hidden_act="silu", use_sliding_window=False, sliding_window=None, max_window_layers=28,
+        rope_scaling=None, torch_dtype="bfloat16"),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-05, rope_theta=1e6, tie_word_embeddings=False,
+        hidden_act="silu", num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+        sliding_window=None, torch_dtype="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_published_configs_read_as_the_presets(preset, tmp_path):
+  """The presets (configs/*.py for plan and inspect) are the models from-hf makes of the published config.json."""
+  from meshtrain.interop import hf_config
+  from meshtrain.models import presets
+  (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[preset]))
+  read = hf_config.read(tmp_path)
+  ours = presets.model_config(preset).to_dict()
+  assert ours["hf_model_type"] == read.pop("family")
+  read.pop("max_position_embeddings")
+  assert {k: ours[k] for k in read} == read
+
+
+def test_a_transformers_4_config_converts(tmp_path):
+  """The llama3 variant's config.json rewritten as transformers 4.x writes it (rope_theta and rope_scaling, as
+  Llama 3.x's files on the hub are): the same model in, transformers' logits and greedy tokens."""
+  hf = make(tmp_path / "hf", "llama3")
+  config = json.loads((hf / "config.json").read_text())
+  rope = config.pop("rope_parameters")
+  config["rope_theta"] = rope.pop("rope_theta")
+  config["rope_scaling"] = rope
+  (hf / "config.json").write_text(json.dumps(config))
+  assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 0
+  model = checkpoint.load_params(tmp_path / "w")[1]["config"]["model"]
+  assert (model["rope_type"], model["rope_factor"], model["rope_theta"]) == ("llama3", 8.0, 500_000.0)
+  assert_close(logits_of(tmp_path / "w"), hf_logits(hf))
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+  root = tmp_path_factory.mktemp("mixtral_gen")
+  hf = make(root / "hf", "mixtral")
+  assert run_convert("from-hf", hf, "--workdir", root / "w") == 0
+  return hf, root / "w"
+
+
+def test_generation_never_drops_tokens_at_an_expert(mixtral):
+  """Generation routes every token to its experts whatever capacity factor the model trained with (transformers
+  has none): at capacity_factor 0.1, under which the forward pass drops most assignments and its logits move, the
+  generator still gives transformers' greedy tokens."""
+  from meshtrain.inference.generator import Generator
+  hf, workdir = mixtral
+  params, meta = checkpoint.load_params(workdir)
+  starved = dataclasses.replace(ModelConfig.from_config(meta["config"]["model"]), capacity_factor=0.1)
+  dropped = np.asarray(Transformer(starved).apply({"params": params}, jnp.asarray(TOKENS)))
+  assert np.max(np.abs(dropped - hf_logits(hf))) > 0.1  # the capacity bites in training's forward
+  generator = Generator(params, starved, num_ids=SHAPE["vocab_size"])
+  prompt = TOKENS[:, :5]
+  out = generator.generate([list(map(int, row)) for row in prompt], max_new_tokens=10, stop_at_eos=False)
+  np.testing.assert_array_equal(np.asarray(out.token_ids), hf_greedy(hf, prompt, 10))
+
+
+def test_generation_draws_only_the_tokenizers_ids(mixtral):
+  """A model whose vocabulary is larger than its tokenizer's (padded embeddings, as many hub models have) never
+  generates an id the tokenizer cannot decode: greedy takes the best id below num_ids even where a padding id
+  scores higher."""
+  from meshtrain.inference.generator import Generator
+  _, workdir = mixtral
+  logits = logits_of(workdir)[:, 4]  # the next token after the 5-token prompt, for each row
+  best = int(logits[0].argmax())
+  assert best > 0
+  generator = Generator.from_workdir(workdir, num_ids=best)  # the best id of row 0 is now past the tokenizer
+  prompt = [list(map(int, row)) for row in TOKENS[:, :5]]
+  first = np.asarray(generator.generate(prompt, max_new_tokens=4, stop_at_eos=False).token_ids)
+  assert (first < best).all()
+  np.testing.assert_array_equal(first[:, 0], logits[:, :best].argmax(-1))
