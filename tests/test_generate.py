@@ -111,6 +111,18 @@ def test_kv_cache_greedy_equals_full_recompute_on_meshes(params, reference, layo
   assert gen.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
 
 
+@pytest.mark.slow
+def test_open_model_features_decode_like_full_recompute_on_a_tensor_mesh():
+  """Qwen2's biases, Qwen3's q/k norms, Llama 3's rotary scaling and Mistral's window (8 tokens: prompts and
+  generations run past it) through the cache with heads and kv heads split over tensor=8."""
+  model = dataclasses.replace(MODEL, attention_bias=True, qk_norm=True, rope_type="llama3", rope_factor=8.0,
+                              rope_original_max_len=16, sliding_window=8)
+  params = random_params(model)
+  gen = generator.Generator(params, model, mesh=mesh_lib.make_mesh({"data": 1, "tensor": 8}),
+                            rules=sharding.rules_for("tp"), num_ids=model.vocab_size)
+  assert gen.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == greedy_by_recompute(model, params)
+
+
 def test_prompts_in_one_batch_equal_each_alone(gen):
   together = gen.generate(PROMPTS, NEW, stop_at_eos=False).token_ids
   # Alone, the 5- and 1-token prompts are padded to 16 columns, not 32, and sit in a batch of one.

@@ -127,10 +127,8 @@ def test_experts_match_one_device():
 
 # The open-model features (Qwen2's biases, Qwen3's q/k norms, Llama 3's rotary scaling, Mistral's sliding window
 # shorter than the sequence) on the layouts that split what they touch: heads (tensor), parameters (fsdp), the
-# sequence (tensor + sequence parallel), layers (pipeline stages). Not here, for CI time (each needs a one-device
-# reference of its own, ~10 s, and compiles for 10-25 s): context parallelism (mesh.sequence > 1; it has no sliding
-# window, refused: tests/test_errors.py) and experts (a mixture of experts, tested without these features in
-# test_experts_match_one_device). docs/huggingface.md says so.
+# sequence (tensor + sequence parallel), layers (pipeline stages); context parallelism (mesh.sequence > 1, which has
+# no sliding window) and experts together in the test after this one.
 OPEN_MODEL = {"model.attention_bias": True, "model.qk_norm": True, "model.rope_type": "llama3",
               "model.rope_factor": 8.0, "model.rope_original_max_len": 16, "model.sliding_window": 24}
 OPEN_MODEL_LAYOUTS = {"fsdp=4 x tensor=2": ({"data": 1, "fsdp": 4, "tensor": 2}, "fsdp_tp", {}),
@@ -157,6 +155,22 @@ def test_open_model_features_match_one_device(name, open_model_reference, refere
     for key in path:
       g = g[key]
     assert np.abs(g).max() > 1e-5, path
+  np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads)
+
+
+@pytest.mark.slow
+def test_open_model_features_with_experts_and_context_parallelism_match_one_device():
+  """The layouts left out above in one run: a mixture of experts with q/k/v biases, q/k norms and llama3 scaling,
+  its experts split over `expert`, the sequence over `sequence` (ring attention) and heads over `tensor`. No sliding
+  window: context parallelism refuses one (tests/test_errors.py)."""
+  features = {**MOE, **{k: v for k, v in OPEN_MODEL.items() if k != "model.sliding_window"}}
+  ref_losses, ref_grads, _ = train(tiny_config({}, "dp", features), jax.devices()[:1])
+  losses, grads, _ = train(tiny_config({"expert": 2, "sequence": 2, "tensor": 2}, "tp",
+                                       {**features, "sharding.causal_load_balance": False}), jax.devices())
+  attn, moe = ref_grads["layers"]["attn"], ref_grads["layers"]["moe"]
+  for g in (attn["q_bias"], attn["k_norm"]["scale"], moe["gate"]):  # the features are in the gradient
+    assert np.abs(g).max() > 1e-5
   np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL), grads, ref_grads)
 
