@@ -426,12 +426,18 @@ def test_chat_fine_tune_runs(chat_tokenizer, tmp_path):
 # --- resume, and the tokenizing pass over processes ----------------------------------------------------------
 
 
-@pytest.mark.slow  # two training runs
-def test_training_on_files_resumes_exactly(two_corpora, tmp_path):
+@pytest.mark.slow  # two training runs each
+@pytest.mark.parametrize("source", ["mixture", "parquet files alone"])
+def test_training_on_files_resumes_exactly(two_corpora, tmp_path, source):
+  """A run stopped after its step-2 checkpoint and resumed logs the losses of the run that was not: a mixture of
+  a jsonl file and a TFDS dataset, and a glob of parquet files alone (`data.name`)."""
   import shutil
+  if source == "mixture":
+    data = f"--config.data.mixture={two_corpora / 'a.jsonl'}=2,python_stdlib=1"
+  else:
+    data = f"--config.data.name={write_every_format(tmp_path / 'src')['parquet']}"
   args = ["--config", "configs/tiny.py", "--config.steps=4", "--config.seq_len=32", "--config.checkpoint_every=2",
-          "--config.eval_every=0", "--config.log_every=1", f"--config.data.data_dir={tmp_path / 'tfds'}",
-          f"--config.data.mixture={two_corpora / 'a.jsonl'}=2,python_stdlib=1"]
+          "--config.eval_every=0", "--config.log_every=1", f"--config.data.data_dir={tmp_path / 'tfds'}", data]
   assert train.main([*args, "--workdir", str(tmp_path / "full")]) == 0
   shutil.copytree(tmp_path / "full", tmp_path / "resumed")
   shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
