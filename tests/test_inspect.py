@@ -155,7 +155,7 @@ def test_plan_node_size_defaults_to_the_gpus_node():
 def _best(path, devices, gpu="h100", *overrides):
   cfg = config_lib.load(path, list(overrides))
   hw = perf.GPUS[gpu]
-  rows, seen = plan_lib.rank(cfg, devices, 1, hw, hw.hbm_bytes, fused_attention=cfg.model.dtype == "bfloat16")
+  rows, seen = plan_lib.rank(cfg, devices, 1, hw, hw.hbm_bytes, fused_attention=plan_lib.as_on_target(cfg, gpu))
   assert seen > 10 and rows
   return rows
 
@@ -231,6 +231,7 @@ def test_open_model_presets_plan(path):
   cfg = config_lib.load(path, [])
   devices = 32 if OPEN_MODELS[path] > 5e9 else 8
   hw = perf.GPUS["h100"]
-  rows, seen = plan_lib.rank(cfg, devices, devices // 8, hw, hw.hbm_bytes, fused_attention=True)
+  rows, seen = plan_lib.rank(cfg, devices, devices // 8, hw, hw.hbm_bytes, fused_attention=plan_lib.as_on_target(
+      cfg, "h100"))
   assert seen > 10 and rows  # rows: the layouts that fit, best first
   assert rows[0].estimate.total_bytes_per_device <= hw.hbm_bytes and rows[0].mfu > 0.2

@@ -155,6 +155,17 @@ def target_attention(cfg, gpu: str) -> str:
   return tasks.cost_model(cfg).attention_on(platform, capability)
 
 
+def as_on_target(cfg, gpu: str) -> bool:
+  """Sets cfg.model.attention to the function `gpu` runs, as the CPU traces it; returns whether that attention is
+  fused (keeps no [L, L] scores), which `rank` and `estimate` then leave out."""
+  impl = target_attention(cfg, gpu)
+  if impl in ("xla", "cudnn"):
+    # Traced and compiled here as XLA's attention, what the target runs or (cuDNN, which the CPU cannot trace)
+    # the same function; the estimate then leaves the [L, L] scores out when fused.
+    cfg.model.attention = "xla"
+  return impl == "cudnn"  # cuDNN's fused kernel keeps no [L, L] scores; XLA's attention keeps them
+
+
 def measure_cpu_allreduce_bw(mesh, size: int = 1 << 22, repeats: int = 5) -> float:
   """Bytes/s per device an all-reduce over every simulated device moves (ring-equivalent), measured here."""
   import jax
@@ -364,12 +375,7 @@ def plan(cfg, devices: int, nodes: int, nodes_from: str, gpu: str, hbm: float = 
   hw = dataclasses.replace(hw, node_bw=node_bw or hw.node_bw, network_bw=network_bw or hw.network_bw)
   hbm = hbm or hw.hbm_bytes
   bf16_on_gpu = gpu != "cpu" and cfg.model.dtype == "bfloat16"
-  impl = target_attention(cfg, gpu)
-  fused = impl == "cudnn"  # cuDNN's fused kernel keeps no [L, L] scores; XLA's attention keeps them
-  if impl in ("xla", "cudnn"):
-    # Traced and compiled here as XLA's attention, what the target runs or (cuDNN, which the CPU cannot trace)
-    # the same function; the estimate then leaves the [L, L] scores out when fused.
-    cfg.model.attention = "xla"
+  fused = as_on_target(cfg, gpu)
   rows, seen = rank(cfg, devices, nodes, hw, hbm, fused, overlap=overlap)
   if not seen:
     raise UserError(f"no layout of this model splits evenly over {devices} devices: batch_size="
