@@ -4,7 +4,10 @@ batches through generate.Generator (the ceiling), (c) the server with 8 requests
 plot of throughput against latency. Also (d) the server's engine alone (no HTTP, no client), all requests at once.
 
   python experiments/serve_bench.py --workdir runs/tiny [--requests 64] [--max-tokens 64] [--slots 8]
-      [--out experiments/serve_bench.json] [--plot docs/images/serve_bench.png]
+      [--max-len N] [--out experiments/serve_bench.json] [--plot docs/images/serve_bench.png]
+
+`--max-len` serves a context shorter than the run's (the server's and the engine's `--max-len`): every decode step
+attends over its slots' whole cache rows, context long.
 
 Per request: TTFT (send to first token), TPOT ((last - first) / (tokens - 1)), ITL (every gap between streamed
 chunks), e2e (send to last token); per run: p50 and p99 of each, requests/s and output tokens/s over the run's wall
@@ -29,9 +32,10 @@ import urllib.parse
 import numpy as np
 
 
-def start_server(workdir: str, slots: int):
+def start_server(workdir: str, slots: int, max_len: int | None = None):
   proc = subprocess.Popen([sys.executable, "-m", "meshtrain.serve", "--workdir", workdir, "--port", "0", "--slots",
-                           str(slots), "--max-queue", "1024", "--warm"], stderr=subprocess.PIPE, text=True)
+                           str(slots), "--max-queue", "1024", "--warm",
+                           *(["--max-len", str(max_len)] if max_len else [])], stderr=subprocess.PIPE, text=True)
   for line in proc.stderr:
     if match := re.search(r"serving \S+ on (http://\S+/v1)", line):
       threading.Thread(target=proc.stderr.read, daemon=True).start()
@@ -103,7 +107,7 @@ def server_run(url, prompts, max_tokens, rate, server_pid):
   return out
 
 
-def references(workdir, prompts, max_tokens, slots):
+def references(workdir, prompts, max_tokens, slots, max_len=None):
   """(b) and (d) in this process, every program compiled and run once: a function timing both once."""
   from meshtrain import config as config_lib, runtime
   cfg = config_lib.base_config()
@@ -111,7 +115,7 @@ def references(workdir, prompts, max_tokens, slots):
   runtime.start(cfg)
   from meshtrain.inference.engine import Engine, Request
   from meshtrain.inference.generator import Generator
-  gen = Generator.from_workdir(workdir)
+  gen = Generator.from_workdir(workdir, max_len=max_len)
   # The server's engine alone on the same generator, every request at once (no HTTP, no client): what continuous
   # batching costs on the device and in its loop, apart from the web layer and the client sharing the cores.
   engine = Engine(gen, slots=slots)
@@ -184,14 +188,15 @@ def main():
   parser.add_argument("--max-tokens", type=int, default=64)
   parser.add_argument("--slots", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--max-len", type=int, default=None, help="the context served (default: the run's)")
   parser.add_argument("--out", default="experiments/serve_bench.json")
   parser.add_argument("--plot", default="docs/images/serve_bench.png")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   prompts = [rng.integers(32, 127, int(n)).tolist() for n in rng.integers(4, 41, args.requests)]
-  results = {"requests": args.requests, "max_tokens": args.max_tokens, "slots": args.slots}
-  measure = references(args.workdir, prompts, args.max_tokens, args.slots)
-  proc, url = start_server(args.workdir, args.slots)
+  results = {"requests": args.requests, "max_tokens": args.max_tokens, "slots": args.slots, "max_len": args.max_len}
+  measure = references(args.workdir, prompts, args.max_tokens, args.slots, args.max_len)
+  proc, url = start_server(args.workdir, args.slots, args.max_len)
   try:
     one(url, prompts[0], 4)  # warm-up
     t0 = time.perf_counter()
