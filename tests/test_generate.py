@@ -87,6 +87,21 @@ def test_scanned_layer_stack_decodes_the_same(params, reference):
   assert scanned.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
 
 
+def test_other_backends_decode_the_scanned_stack_with_xlas_dot(params, reference, monkeypatch):
+  """The CPU kernel is the CPU's choice, not the model's: on any other backend (here the CPU reporting itself as a
+  GPU) the generator runs the scanned layer stack with the model's own weight layout and XLA's dot, and decodes the
+  same tokens."""
+  from meshtrain.kernels import cpu_matmul
+  from meshtrain.models.llama import DenseProducts
+  assert isinstance(generator.backend_choice()[1], cpu_matmul.OutInProducts)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  scan_layers, products = generator.backend_choice()
+  assert scan_layers and type(products) is DenseProducts
+  gpu = one_device(params)
+  assert gpu.model_cfg.scan_layers and type(gpu.model_cfg.products) is DenseProducts
+  assert gpu.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
+
+
 def test_mixture_of_experts_decodes_like_full_recompute():
   # Routing is per token; only capacity couples tokens (an expert's overflow is dropped, and a decode step's group
   # is one token where the full sequence's is all of them). With room for every token (capacity_factor =
