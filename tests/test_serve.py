@@ -92,6 +92,22 @@ def test_engine_greedy_equals_generate_alone_and_concurrent(gen, expected):
   assert [r.token_ids for r in requests] == expected
 
 
+def test_a_call_runs_a_chunk_only_when_quick_or_every_slot_is_busy(gen, expected):
+  """With a slot free, a decode call runs a chunk of steps only if the measured step time makes it take at most
+  CALL_BUDGET_S (a request arriving meanwhile waits for the call); with every slot busy, always a chunk. The tokens
+  are generate's either way."""
+  for slots, step_s, steps in ((2, 1.0, 1), (2, 1e-4, engine_lib.DECODE_CHUNK), (1, 1.0, engine_lib.DECODE_CHUNK)):
+    engine = engine_lib.Engine(gen, slots=slots)
+    request = engine.submit(greedy(0))  # 20 tokens: more than a chunk left after the first call
+    engine.step()  # admitted: its prefill, and a first decode call
+    engine._plan()  # reads that call (measuring a step time), plans the next without running it
+    engine.step_s = step_s
+    assert engine_lib.Plan.parse(engine._plan()).decode == steps, (slots, step_s)
+    while not request.done:
+      engine.step()
+    assert request.token_ids == expected[0]
+
+
 def test_engine_on_a_tensor_parallel_mesh(params, expected):
   """On data=2 x tensor=4, with the layers scanned as on a GPU (one stacked cache, [layers, slots, ...]: the
   prefill's insert writes its rows into the stacked layout)."""

@@ -13,7 +13,8 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
 - `decode`: ONE compiled step for all slots: each slot feeds its last token at its own next slot (KVCache.end is
   [slots]: every row writes and attends at its own position) and samples with its own temperature, top_p, top_k
   and key (vectorized over the slots); slots that hold no request compute too, and nothing reads them. A call runs
-  a chunk of steps while no request waits for a slot and every request needs a chunk more, else one step. A call's
+  a chunk of steps while no request waits for a slot, every request needs a chunk more, and either every slot is
+  busy or the chunk takes at most CALL_BUDGET_S (by the measured step time), else one step. A call's
   tokens are read on the next engine step: with every slot busy, after that step's call is dispatched (the device
   computes it while the host hands out the last one's text), otherwise first (`Engine._ahead`).
 
@@ -55,6 +56,12 @@ from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, bucket, place
 # Decode steps per device call while no request waits for a slot (Engine's `chunk`). A slot whose request ends
 # inside a chunk computes the rest of it for nothing, and its client sees the chunk's tokens at once.
 DECODE_CHUNK = 8
+# With a slot free, a call runs a chunk only if it takes at most this long (by the measured step time): a request
+# that arrives meanwhile waits for the call before its prefill, so this bounds what a call adds to its time to first
+# token. A small model's chunk on the CPU (8 x 1.6 ms) stays a chunk; the 125m shapes' (8 x 45 ms) becomes single
+# steps, 360 -> 45 ms of waiting (benchmarks/2026-12-04-serve-4.md). With every slot busy, a request could not join
+# before a slot frees anyway: chunks, whatever they take.
+CALL_BUDGET_S = 0.02
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
 # CPU backend's collectives give a peer that is late only so long).
 IDLE_S = 0.5
@@ -134,10 +141,11 @@ def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
 
 class DecodeCall(typing.NamedTuple):
   """A decode call dispatched on process 0 and not yet read: its tokens [steps, slots] (on the device), the
-  requests that held its slots when it was dispatched, and its steps."""
+  requests that held its slots when it was dispatched, its steps, and when it was dispatched."""
   tokens_KB: object
   active: dict
   steps: int
+  dispatched_at: float
 
 
 @dataclasses.dataclass
@@ -216,6 +224,8 @@ class Engine:
     # Process 0: the last decode call, its tokens still on the device, read on the next step: after that step's
     # decode call is dispatched when it can be (`_ahead`), else first.
     self.pending: DecodeCall | None = None
+    self.step_s: float | None = None  # process 0: a decode step's time, measured as calls are read (moving average)
+    self.read_at = 0.0  # process 0: when the last call's tokens were read
     self._build()
 
   # --- compiled programs ---
@@ -449,11 +459,13 @@ class Engine:
       waiting = bool(self.queue) and len(self.active) < self.slots
       admitted = {r for _, r in plan.admit}  # their first token comes from this step's prefill
       most = max(r.limit - len(r.token_ids) - behind - (r in admitted) for r in self.active.values())
-      # One step while a request waits for a free slot (it joins after this step) or when every active request
-      # needs fewer than a chunk more tokens, else a chunk (one host round trip, not `chunk`: what a small model's
-      # step on the CPU mostly is). Powers of two below the chunk for the last few tokens measured no faster, and
-      # each is one more program to compile.
-      plan.decode = 0 if most <= 0 else 1 if waiting or most < self.chunk else self.chunk
+      # One step while a request waits for a free slot (it joins after this step), when a slot is free and a chunk
+      # would take longer than CALL_BUDGET_S, or when every active request needs fewer than a chunk more tokens;
+      # else a chunk (one host round trip, not `chunk`: what a small model's step on the CPU mostly is). Powers of
+      # two below the chunk for the last few tokens measured no faster, and each is one more program to compile.
+      quick = self.step_s is not None and self.step_s * self.chunk <= CALL_BUDGET_S
+      full = len(self.active) == self.slots
+      plan.decode = 0 if most <= 0 else 1 if waiting or most < self.chunk or not (full or quick) else self.chunk
     return plan.encode()
 
   def _ahead(self) -> bool:
@@ -471,6 +483,10 @@ class Engine:
   def _read(self, call: DecodeCall) -> None:
     """Reads a decode call's tokens (waiting for the device) and gives each request still in its slot its own."""
     tokens_BK = np.asarray(call.tokens_KB).T
+    # The call ran from its dispatch, or from the end of the one before it (read here last) if that was later.
+    now = time.perf_counter()
+    took = (now - max(call.dispatched_at, self.read_at)) / call.steps
+    self.step_s, self.read_at = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took, now
     for slot, request in call.active.items():
       if self.active.get(slot) is request:  # not finished (by an earlier call's tokens) or cancelled since
         self._take(slot, request, tokens_BK[slot].tolist())
@@ -499,7 +515,8 @@ class Engine:
       self.state, tokens_KB = self.decodes[plan.decode](self.params, self.state)  # dispatched, not waited for
       self.steps += plan.decode
       if self.leader:
-        earlier, self.pending = self.pending, DecodeCall(tokens_KB, dict(self.active), plan.decode)
+        earlier, self.pending = self.pending, DecodeCall(tokens_KB, dict(self.active), plan.decode,
+                                                         time.perf_counter())
         if earlier is not None:  # this call was dispatched ahead of reading the last one (`_ahead`): read it now
           self._read(earlier)
     return bool(plan.swap is not None or plan.prompts or plan.decode)
