@@ -17,3 +17,21 @@ if _saved is None:
   del os.environ["XLA_FLAGS"]
 else:
   os.environ["XLA_FLAGS"] = _saved
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def local_datasets():
+  """The datasets meshtrain builds from local files, built once in the default TFDS data_dir before any test (under
+  the build's lock: both xdist workers reach this). Otherwise whichever test's run comes first on a cold data_dir
+  builds them and prints TFDS's progress bars before its own output: on CI's fresh HOME a test of a one-line error
+  once failed so (`test_bad_data_and_sizes[empty split]`: 21 lines, the error last)."""
+  try:
+    import tensorflow_datasets  # noqa: F401
+  except ImportError:  # the GPU dry run's environment (experiments/gpu_dryrun.sh): no TFDS, no dataset to build
+    return
+  from meshtrain.data import digits, sft, stdlib_corpus
+  for module in (stdlib_corpus, sft, digits):
+    module.build("")
