@@ -3,8 +3,8 @@ batches through generate.Generator (the ceiling), (c) the server with 8 requests
 (saturation), and Poisson arrivals at 1/4, 1/2 and 3/4 of the saturation rate; then the issue's three targets and a
 plot of throughput against latency. Also (d) the server's engine alone (no HTTP, no client), all requests at once.
 
-  python experiments/serve_bench.py --workdir runs/tiny [--requests 64] [--max-tokens 64] [--slots 8]
-      [--max-len N] [--out experiments/serve_bench.json] [--plot docs/images/serve_bench.png]
+  python experiments/serve_bench.py --workdir runs/tiny [--requests 64] [--poisson-requests N] [--max-tokens 64]
+      [--slots 8] [--max-len N] [--out experiments/serve_bench.json] [--plot docs/images/serve_bench.png]
 
 `--max-len` serves a context shorter than the run's (the server's and the engine's `--max-len`): every decode step
 attends over its slots' whole cache rows, context long.
@@ -14,10 +14,12 @@ chunks), e2e (send to last token); per run: p50 and p99 of each, requests/s and 
 time. The server runs in a subprocess (`python -m meshtrain.serve --port 0`); the requests are streamed
 completions (HTTP as vLLM's benchmark sends them, one thread and connection each), greedy, with prompts of 4-40
 random byte ids. Run it on an otherwise idle machine: the client shares the cores with the server (each load
-reports the CPU seconds of both).
+reports the CPU seconds of both). One at a time: 16 requests, the speedup of 8 at once taken against the first 8
+of them.
 """
 import argparse
 import concurrent.futures
+import gc
 import http.client
 import json
 import os
@@ -118,7 +120,7 @@ def references(workdir, prompts, max_tokens, slots, max_len=None):
   gen = Generator.from_workdir(workdir, max_len=max_len)
   # The server's engine alone on the same generator, every request at once (no HTTP, no client): what continuous
   # batching costs on the device and in its loop, apart from the web layer and the client sharing the cores.
-  engine = Engine(gen, slots=slots)
+  engine = Engine(gen, slots=slots, max_queue=len(prompts))
   engine.warm(max(len(p) for p in prompts))
   rate = lambda tokens, wall: {"requests_per_s": round(len(prompts) / wall, 4),
                                "output_tokens_per_s": round(tokens / wall, 4), "wall_s": round(wall, 4)}
@@ -150,7 +152,7 @@ def targets(r: dict) -> dict:
       # the median over the rounds of each round's ratio
       "saturation_vs_static": float(np.median([x["saturation_vs_static"] for x in r["rounds"]])),  # target >= 0.8
       "engine_alone_vs_static": float(np.median([x["engine_alone_vs_static"] for x in r["rounds"]])),
-      "eight_concurrent_speedup": round(r["one_at_a_time"]["wall_s"] / r["eight_concurrent"]["wall_s"], 2),  # >= 3
+      "eight_concurrent_speedup": round(r["eight_one_at_a_time_s"] / r["eight_concurrent"]["wall_s"], 2),  # >= 3
       # <= 2 read as p99 under load against the unloaded p50 (the strict reading) and against the unloaded p99
       "half_rate_ttft_p99_vs_unloaded_p50": round(half["ttft_p99"] / r["one_at_a_time"]["ttft_p50"], 2),
       "half_rate_ttft_p99_vs_unloaded_p99": round(half["ttft_p99"] / r["one_at_a_time"]["ttft_p99"], 2),
@@ -188,20 +190,31 @@ def main():
   parser.add_argument("--max-tokens", type=int, default=64)
   parser.add_argument("--slots", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--poisson-requests", type=int, default=None,
+                      help="requests in each Poisson run (default: --requests): more make their p99 steadier")
   parser.add_argument("--max-len", type=int, default=None, help="the context served (default: the run's)")
   parser.add_argument("--out", default="experiments/serve_bench.json")
   parser.add_argument("--plot", default="docs/images/serve_bench.png")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(32, 127, int(n)).tolist() for n in rng.integers(4, 41, args.requests)]
-  results = {"requests": args.requests, "max_tokens": args.max_tokens, "slots": args.slots, "max_len": args.max_len}
+  poisson = args.poisson_requests or args.requests
+  every = [rng.integers(32, 127, int(n)).tolist() for n in rng.integers(4, 41, max(args.requests, poisson))]
+  prompts = every[:args.requests]
+  results = {"requests": args.requests, "poisson_requests": poisson, "max_tokens": args.max_tokens,
+             "slots": args.slots, "max_len": args.max_len}
   measure = references(args.workdir, prompts, args.max_tokens, args.slots, args.max_len)
+  # This process holds JAX and the references' models besides the client threads: a full collection of all that
+  # (80 ms and more) would stop the clients mid-request and count in the server's latencies. Frozen, as the server
+  # freezes what its start-up built.
+  gc.collect()
+  gc.freeze()
   proc, url = start_server(args.workdir, args.slots, args.max_len)
   try:
     one(url, prompts[0], 4)  # warm-up
     t0 = time.perf_counter()
-    results["one_at_a_time"] = summary([one(url, ids, args.max_tokens) for ids in prompts[:8]],
-                                       time.perf_counter() - t0)
+    alone = [one(url, ids, args.max_tokens) for ids in prompts[:16]]
+    results["one_at_a_time"] = summary(alone, time.perf_counter() - t0)
+    results["eight_one_at_a_time_s"] = round(sum(r["e2e"] for r in alone[:8]), 4)  # the 8 sent at once below
     results["eight_concurrent"] = server_run(url, prompts[:8], args.max_tokens, float("inf"), proc.pid)
     # Saturation, static batching and the engine alone in turn, `rounds` times: this machine's speed drifts by up
     # to 1.5x between minutes, so each round's ratio compares runs a second apart; the round with the median
@@ -221,7 +234,7 @@ def main():
     saturation = results["server_rate_inf"]["requests_per_s"]
     results["half_rate"] = round(saturation / 2, 2)
     for rate in (round(saturation / 4, 2), results["half_rate"], round(3 * saturation / 4, 2)):
-      results[f"server_rate_{rate:g}"] = server_run(url, prompts, args.max_tokens, rate, proc.pid)
+      results[f"server_rate_{rate:g}"] = server_run(url, every[:poisson], args.max_tokens, rate, proc.pid)
       print(f"rate {rate:g}: {results[f'server_rate_{rate:g}']}", file=sys.stderr)
   finally:
     proc.terminate()

@@ -15,6 +15,7 @@ and exits 0.
 
 Exit codes: 0 stopped, 2 a bad argument or workdir (one `error:` line, before JAX starts).
 """
+import gc
 import pathlib
 import signal
 import sys
@@ -98,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.inference.server import Server  # after runtime.start: it imports JAX
     engine = (image_engine(workdir, step, cfg, args) if args.task == "dit" else
               language_engine(workdir, cfg, args))
+    # What start-up built (JAX's modules, the model, every compiled program) lives as long as the server: frozen out
+    # of the collector's sight, a full collection no longer walks its ~300K objects, which took 80-90 ms with every
+    # thread of the process stopped, inside a request's latency (benchmarks/2026-12-04-serve-5.md); what requests
+    # allocate is still collected. vLLM and SGLang freeze after their warm-up too.
+    gc.collect()
+    gc.freeze()
     if not engine.leader:
       # The other processes run process 0's plans until it stops; a signal (srun and the launcher send every process
       # one) is process 0's to act on: it drains, then ends their loop.

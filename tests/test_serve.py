@@ -108,6 +108,38 @@ def test_a_call_runs_a_chunk_only_when_quick_or_every_slot_is_busy(gen, expected
     assert request.token_ids == expected[0]
 
 
+def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
+  """warm() compiles and runs each prefill and decode program before any request (a first run costs more than the
+  next: it would land in the first requests' latency); what it computes lands in no slot a request gets."""
+  engine = engine_lib.Engine(gen, slots=2)
+  before = engine.steps
+  engine.warm(16)
+  assert set(engine.prefills) == {(16, 1), (16, 2)}
+  assert int(engine.state["t_B"][0]) == sum(engine.call_steps)  # the decode programs ran (every slot stepped)
+  requests = [greedy(0), greedy(4)]
+  engine.submit(*requests)
+  while not all(r.done for r in requests):
+    engine.step()
+  assert [r.token_ids for r in requests] == [expected[0], expected[4]] and engine.steps > before
+
+
+def test_a_queued_request_joins_when_the_first_slot_frees_not_a_chunk_later(gen, expected):
+  """With every slot busy, a call runs the chunk while nobody waits; with a request queued, no more steps than until
+  the first slot frees by its length (one step when that is fewer than a chunk), so the request joins then. The
+  tokens are generate's either way."""
+  short = gen.generate([PROMPTS[4]], 5).token_ids[0]
+  for queued, steps in ((False, engine_lib.DECODE_CHUNK), (True, 1)):
+    engine = engine_lib.Engine(gen, slots=2)
+    requests = [greedy(0), engine_lib.Request(prompt_ids=PROMPTS[4], max_tokens=5)] + [greedy(2)] * queued
+    engine.submit(*requests)
+    plan = engine._plan()  # admits the first two (20 and 5 tokens): 4 left for the second after its prefill
+    assert engine_lib.Plan.parse(plan).decode == steps, queued
+    engine._run(plan)
+    while not all(r.done for r in requests):
+      engine.step()
+    assert [r.token_ids for r in requests] == [expected[0], short] + [expected[2]] * queued
+
+
 def test_engine_on_a_tensor_parallel_mesh(params, expected):
   """On data=2 x tensor=4, with the layers scanned as on a GPU (one stacked cache, [layers, slots, ...]: the
   prefill's insert writes its rows into the stacked layout)."""

@@ -14,7 +14,8 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
   [slots]: every row writes and attends at its own position) and samples with its own temperature, top_p, top_k
   and key (vectorized over the slots); slots that hold no request compute too, and nothing reads them. A call runs
   a chunk of steps while no request waits for a slot, every request needs a chunk more, and either every slot is
-  busy or the chunk takes at most CALL_BUDGET_S (by the measured step time), else one step. A call's
+  busy (with a request queued: no more steps than until the first slot frees by its length) or the chunk takes at
+  most CALL_BUDGET_S (by the measured step time), else one step. A call's
   tokens are read on the next engine step: with every slot busy, after that step's call is dispatched (the device
   computes it while the host hands out the last one's text), otherwise first (`Engine._ahead`).
 
@@ -219,6 +220,9 @@ class Engine:
     self.lock = threading.Condition()
     self.stop_len = 0
     self.chunk = max(1, chunk)
+    # Steps a decode call may run (one compiled program each, ~0.8 s to compile for the tiny model). Powers of two
+    # between them measured no faster for the last few tokens of a request (benchmarks/2026-12-04-serve-5.md).
+    self.call_steps = sorted({1, self.chunk})
     self.prefills = {}  # bucket -> compiled prefill-and-insert
     self.steps = 0
     # Process 0: the last decode call, its tokens still on the device, read on the next step: after that step's
@@ -267,7 +271,7 @@ class Engine:
       self.decodes = {k: jax.jit(decode_steps, static_argnums=2, donate_argnums=1,
                                  out_shardings=(self.state_shardings, self.replicated)).lower(
                                      self._abstract(g.params), self._abstract(self.state), k).compile()
-                      for k in sorted({1, self.chunk})}
+                      for k in self.call_steps}
     runtime.barrier("serving's first decode", g.barrier_timeout_s)  # all processes compiled before it runs
 
   @staticmethod
@@ -327,12 +331,18 @@ class Engine:
 
   def warm(self, longest: int | None = None) -> None:
     """Compiles the prefills of every bucket up to `longest` prompt tokens (default: the context), for every count
-    of prompts admitted at once, now."""
+    of prompts admitted at once, now, and runs each program once (every process, before any request): a program's
+    first run costs more than the next (its buffers are allocated; 4-12 ms more for the tiny model's), which would
+    land in the first requests' latency. The runs change no slot a request could hold: no slot holds one yet, and
+    the prefills' rows are all past the slots (dropped)."""
     counts = sorted({self._rows(n) for n in range(1, self.slots + 1)})
     last = min(bucket(longest or self.max_bucket), self.max_bucket)
     for P in range(PROMPT_BUCKET, last + 1, PROMPT_BUCKET):
       for R in counts:
-        self._prefill(P, R)
+        self._prefill_rows(P, [], R)
+    for k in self.call_steps:
+      self.state, tokens_KB = self.decodes[k](self.params, self.state)
+      np.asarray(tokens_KB)
 
   # --- requests ---
 
@@ -458,14 +468,18 @@ class Engine:
     if self.active:
       waiting = bool(self.queue) and len(self.active) < self.slots
       admitted = {r for _, r in plan.admit}  # their first token comes from this step's prefill
-      most = max(r.limit - len(r.token_ids) - behind - (r in admitted) for r in self.active.values())
-      # One step while a request waits for a free slot (it joins after this step), when a slot is free and a chunk
-      # would take longer than CALL_BUDGET_S, or when every active request needs fewer than a chunk more tokens;
-      # else a chunk (one host round trip, not `chunk`: what a small model's step on the CPU mostly is). Powers of
-      # two below the chunk for the last few tokens measured no faster, and each is one more program to compile.
-      quick = self.step_s is not None and self.step_s * self.chunk <= CALL_BUDGET_S
+      left = [r.limit - len(r.token_ids) - behind - (r in admitted) for r in self.active.values()]
+      most = max(left)
+      # One step while a request waits for a free slot (it joins after this step). Else as many steps as the
+      # active requests need, rounded down to a compiled call (`call_steps`), and at most: with every slot busy
+      # and nobody queued, the chunk (one host round trip, not `chunk`: what a small model's step on the CPU mostly
+      # is); with every slot busy and a request queued, the steps until the first slot frees by its length (the
+      # request joins then, not up to a chunk later); with a slot free, the chunk only if it takes at most
+      # CALL_BUDGET_S by the measured step time (one step until it is measured).
       full = len(self.active) == self.slots
-      plan.decode = 0 if most <= 0 else 1 if waiting or most < self.chunk or not (full or quick) else self.chunk
+      quick = self.step_s is not None and self.step_s * self.chunk <= CALL_BUDGET_S
+      cap = (max(min(left), 1) if self.queue else self.chunk) if full else self.chunk if quick else 1
+      plan.decode = 0 if most <= 0 else 1 if waiting else max(k for k in self.call_steps if k <= min(most, cap))
     return plan.encode()
 
   def _ahead(self) -> bool:
@@ -521,10 +535,11 @@ class Engine:
           self._read(earlier)
     return bool(plan.swap is not None or plan.prompts or plan.decode)
 
-  def _prefill_rows(self, P: int, prompts: list) -> np.ndarray:
-    """Prefills the prompts of bucket P into their slots in one call (every process); their first tokens."""
+  def _prefill_rows(self, P: int, prompts: list, R: int | None = None) -> np.ndarray:
+    """Prefills the prompts of bucket P into their slots in one call of R rows (default: the fewest for them; every
+    process); their first tokens."""
     import jax  # after runtime.start (module docstring)
-    R = self._rows(len(prompts))
+    R = R or self._rows(len(prompts))
     tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
     start_R = np.full(R, P - 1, np.int32)  # rows past the prompts: one padding token each, never written
     slot_R = np.full(R, self.slots, np.int32)
