@@ -115,7 +115,7 @@ def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
   before = engine.steps
   engine.warm(16)
   assert set(engine.prefills) == {(16, 1), (16, 2)}
-  assert int(engine.state["t_B"][0]) == sum(engine.call_steps)  # the decode programs ran (every slot stepped)
+  assert int(engine.state["t_B"][0]) == sum(engine.decodes)  # the decode programs ran (every slot stepped)
   requests = [greedy(0), greedy(4)]
   engine.submit(*requests)
   while not all(r.done for r in requests):

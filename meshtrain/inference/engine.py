@@ -220,9 +220,6 @@ class Engine:
     self.lock = threading.Condition()
     self.stop_len = 0
     self.chunk = max(1, chunk)
-    # Steps a decode call may run (one compiled program each, ~0.8 s to compile for the tiny model). Powers of two
-    # between them measured no faster for the last few tokens of a request (benchmarks/2026-12-04-serve-5.md).
-    self.call_steps = sorted({1, self.chunk})
     self.prefills = {}  # bucket -> compiled prefill-and-insert
     self.steps = 0
     # Process 0: the last decode call, its tokens still on the device, read on the next step: after that step's
@@ -271,7 +268,7 @@ class Engine:
       self.decodes = {k: jax.jit(decode_steps, static_argnums=2, donate_argnums=1,
                                  out_shardings=(self.state_shardings, self.replicated)).lower(
                                      self._abstract(g.params), self._abstract(self.state), k).compile()
-                      for k in self.call_steps}
+                      for k in sorted({1, self.chunk})}
     runtime.barrier("serving's first decode", g.barrier_timeout_s)  # all processes compiled before it runs
 
   @staticmethod
@@ -340,7 +337,7 @@ class Engine:
     for P in range(PROMPT_BUCKET, last + 1, PROMPT_BUCKET):
       for R in counts:
         self._prefill_rows(P, [], R)
-    for k in self.call_steps:
+    for k in self.decodes:
       self.state, tokens_KB = self.decodes[k](self.params, self.state)
       np.asarray(tokens_KB)
 
@@ -470,16 +467,16 @@ class Engine:
       admitted = {r for _, r in plan.admit}  # their first token comes from this step's prefill
       left = [r.limit - len(r.token_ids) - behind - (r in admitted) for r in self.active.values()]
       most = max(left)
-      # One step while a request waits for a free slot (it joins after this step). Else as many steps as the
-      # active requests need, rounded down to a compiled call (`call_steps`), and at most: with every slot busy
-      # and nobody queued, the chunk (one host round trip, not `chunk`: what a small model's step on the CPU mostly
-      # is); with every slot busy and a request queued, the steps until the first slot frees by its length (the
-      # request joins then, not up to a chunk later); with a slot free, the chunk only if it takes at most
-      # CALL_BUDGET_S by the measured step time (one step until it is measured).
+      # A chunk (one host round trip, not `chunk`: what a small model's step on the CPU mostly is) when no request
+      # waits for a free slot and a chunk's steps are needed: by some active request, or, with every slot busy and
+      # a request queued, before the first slot frees by its length (the request joins then, not up to a chunk
+      # later); and either every slot is busy or the chunk takes at most CALL_BUDGET_S by the measured step time.
+      # Else one step. Powers of two below the chunk measured no faster, each one more program to compile.
       full = len(self.active) == self.slots
       quick = self.step_s is not None and self.step_s * self.chunk <= CALL_BUDGET_S
-      cap = (max(min(left), 1) if self.queue else self.chunk) if full else self.chunk if quick else 1
-      plan.decode = 0 if most <= 0 else 1 if waiting else max(k for k in self.call_steps if k <= min(most, cap))
+      room = min(left) if full and self.queue else most
+      chunked = not waiting and (full or quick) and room >= self.chunk
+      plan.decode = 0 if most <= 0 else self.chunk if chunked else 1
     return plan.encode()
 
   def _ahead(self) -> bool:
