@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 
 import numpy as np
 
@@ -90,11 +91,23 @@ def cpu_s(pid: int) -> float:
   return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def queue_times(url) -> np.ndarray:
+  """The server's queue-time histogram (submit to a decode slot, `/metrics`): [requests within 10 ms, requests,
+  seconds in all]."""
+  text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=60).read().decode()
+  name = "meshtrain_serve_request_queue_time_seconds"
+  find = lambda pattern: float(re.search(pattern, text).group(1))
+  return np.array([find(name + r'_bucket\{le="0\.01"\} (\S+)'), find(name + r"_count (\S+)"),
+                   find(name + r"_sum (\S+)")])
+
+
 def server_run(url, prompts, max_tokens, rate, server_pid):
   """Requests sent with Poisson arrivals at `rate` per second (inf: all at once). Also the CPU seconds the server
-  process and this one (the clients) used meanwhile: both share the machine's cores."""
+  process and this one (the clients) used meanwhile (both share the machine's cores), and from the server's metrics
+  the share of requests that waited more than 10 ms for a decode slot and the mean wait."""
   rng = np.random.default_rng(1)
   gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
+  queued0 = queue_times(url)
   cpu0 = cpu_s(server_pid), cpu_s(os.getpid())
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -106,6 +119,9 @@ def server_run(url, prompts, max_tokens, rate, server_pid):
   out = summary(results, time.perf_counter() - t0)
   out["server_cpu_s"], out["client_cpu_s"] = (round(cpu_s(pid) - was, 3)
                                               for pid, was in zip((server_pid, os.getpid()), cpu0))
+  within, count, seconds = queue_times(url) - queued0
+  out["queued_over_10ms_share"] = round(float(1 - within / count), 4)
+  out["queue_s_mean"] = round(float(seconds / count), 5)
   return out
 
 

@@ -94,18 +94,41 @@ def test_engine_greedy_equals_generate_alone_and_concurrent(gen, expected):
 
 def test_a_call_runs_a_chunk_only_when_quick_or_every_slot_is_busy(gen, expected):
   """With a slot free, a decode call runs a chunk of steps only if the measured step time makes it take at most
-  CALL_BUDGET_S (a request arriving meanwhile waits for the call); with every slot busy, always a chunk. The tokens
-  are generate's either way."""
+  CALL_BUDGET_S (a request arriving meanwhile waits for the calls in flight); with every slot busy, always a chunk.
+  The tokens are generate's either way."""
   for slots, step_s, steps in ((2, 1.0, 1), (2, 1e-4, engine_lib.DECODE_CHUNK), (1, 1.0, engine_lib.DECODE_CHUNK)):
     engine = engine_lib.Engine(gen, slots=slots)
     request = engine.submit(greedy(0))  # 20 tokens: more than a chunk left after the first call
     engine.step()  # admitted: its prefill, and a first decode call
-    engine._plan()  # reads that call (measuring a step time), plans the next without running it
+    engine._plan()  # plans the next call without running it (that call still in flight: `_ahead`)
     engine.step_s = step_s
     assert engine_lib.Plan.parse(engine._plan()).decode == steps, (slots, step_s)
     while not request.done:
       engine.step()
     assert request.token_ids == expected[0]
+
+
+def test_the_next_call_is_dispatched_before_the_last_is_read_unless_a_request_leaves_in_it(gen, expected):
+  """`_ahead`, with a slot free: the next decode call goes to the device before the last one's tokens are read while
+  both calls take at most CALL_BUDGET_S and every request runs past the last call; not when one ends by its length
+  in it or is cancelled, nor when the calls take longer (a request arriving would wait for both)."""
+  engine = engine_lib.Engine(gen, slots=2)
+  request = engine.submit(greedy(0))  # 20 tokens; one slot stays free
+  engine.step()  # its prefill (token 1) and a first decode call (token 2), not yet read
+  engine.step_s = engine_lib.CALL_BUDGET_S / 2
+  assert engine.pending is not None and engine._ahead()
+  engine.step_s = engine_lib.CALL_BUDGET_S
+  assert not engine._ahead()
+  engine.step_s = engine_lib.CALL_BUDGET_S / 2
+  request.limit = 2  # would end with the call in flight
+  assert not engine._ahead()
+  request.limit = 20
+  request.cancel()
+  assert not engine._ahead()
+  request.cancelled = False
+  while not request.done:
+    engine.step()
+  assert request.token_ids == expected[0]
 
 
 def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
@@ -173,6 +196,19 @@ def test_seeded_sampling_is_the_same_at_any_concurrency(gen):
   while not greedy_one.done:
     engine.step()
   assert hot.token_ids == greedy_one.token_ids  # top_k=1 is greedy whatever the temperature
+
+
+def test_a_request_seed_keys_its_slot_as_jax_random_key_does(gen):
+  """The prefill derives each row's key on the device from the seed's low 32 bits: the key data a slot holds equals
+  jax.random.key(seed)'s (what Generator.generate draws with) for seeds past 32 bits and negative ones too."""
+  import jax
+  engine = engine_lib.Engine(gen, slots=1)
+  for seed in [0, 7, 2**31 + 5, 2**32 + 7, 2**40 + 3, 2**63 - 1, -1, -2**63]:
+    request = engine.submit(engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=1, temperature=1.0, seed=seed))
+    while not request.done:
+      engine.step()
+    np.testing.assert_array_equal(np.asarray(engine.state["key_B"])[0],
+                                  np.asarray(jax.random.key_data(jax.random.key(seed))), err_msg=str(seed))
 
 
 def test_engine_stop_strings_cancel_and_bad_requests(gen, expected):
@@ -321,6 +357,7 @@ def test_chat_needs_a_template_then_uses_it(client, workdir):
 
 
 def test_errors(client, server):
+  client.completions.create(model=None, prompt="a", max_tokens=2)  # one answered (metrics below), whatever ran before
   with pytest.raises(openai.NotFoundError, match="does not exist"):
     client.completions.create(model="other", prompt="a", max_tokens=2)
   with pytest.raises(openai.BadRequestError, match="context is 64"):
@@ -335,6 +372,10 @@ def test_errors(client, server):
                "meshtrain_serve_queue_length", "meshtrain_serve_busy_slots", "meshtrain_serve_generation_tokens_total",
                'meshtrain_serve_requests_total{finish_reason="length"}', 'status="400"']:
     assert name in metrics, name
+  # Every request answered got a slot: as many queue times as requests finished.
+  finished = sum(float(x) for x in re.findall(r'meshtrain_serve_requests_total\{finish_reason="\w+"\} (\S+)', metrics))
+  queued = re.search(r"meshtrain_serve_request_queue_time_seconds_count (\S+)", metrics)
+  assert finished >= 1 and queued and float(queued.group(1)) == finished, metrics
   assert json.loads(urllib.request.urlopen(server[1].removesuffix("/v1") + "/health").read())["status"] == "ok"
 
 

@@ -14,10 +14,11 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
   [slots]: every row writes and attends at its own position) and samples with its own temperature, top_p, top_k
   and key (vectorized over the slots); slots that hold no request compute too, and nothing reads them. A call runs
   a chunk of steps while no request waits for a slot, every request needs a chunk more, and either every slot is
-  busy (with a request queued: no more steps than until the first slot frees by its length) or the chunk takes at
-  most CALL_BUDGET_S (by the measured step time), else one step. A call's
-  tokens are read on the next engine step: with every slot busy, after that step's call is dispatched (the device
-  computes it while the host hands out the last one's text), otherwise first (`Engine._ahead`).
+  busy (with a request queued: no more steps than until the first slot frees by its length) or two chunks take at
+  most CALL_BUDGET_S (by the measured step time), else one step. A call's tokens are read on the next engine step,
+  after that step's call is dispatched (the device computes it while the host hands out the last one's text), when
+  every slot is busy or both calls take at most CALL_BUDGET_S, and no request leaves by its length in the last call
+  or is cancelled (`Engine._ahead`); otherwise first.
 
 A slot is freed at its request's end-of-sequence token, max_tokens, the context, a stop string, or when the request
 is cancelled (the client went away). A request's token t is drawn with fold_in(key(seed), t) on its own row's
@@ -57,12 +58,13 @@ from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, bucket, place
 # Decode steps per device call while no request waits for a slot (Engine's `chunk`). A slot whose request ends
 # inside a chunk computes the rest of it for nothing, and its client sees the chunk's tokens at once.
 DECODE_CHUNK = 8
-# With a slot free, a call runs a chunk only if it takes at most this long (by the measured step time): a request
-# that arrives meanwhile waits for the call before its prefill, so this bounds what a call adds to its time to first
-# token. A small model's chunk on the CPU (8 x 1.6 ms) stays a chunk; the 125m shapes' (8 x 45 ms) becomes single
-# steps, 360 -> 45 ms of waiting (benchmarks/2026-12-04-serve-4.md). With every slot busy, a request could not join
-# before a slot frees anyway: chunks, whatever they take.
-CALL_BUDGET_S = 0.02
+# With a slot free, a call runs a chunk only if two of them take at most this long (by the measured step time): a
+# request that arrives meanwhile waits for the calls in flight (the one being read and the one dispatched ahead of
+# it, `Engine._ahead`) before its prefill, so this bounds what they add to its time to first token. The tiny model's
+# chunk on the CPU (8 x 1.2 ms) and the 125m shapes' (8 x 45 ms) become single steps, pipelined
+# (benchmarks/2026-12-04-serve-6.md: at half the saturation rate the tiny model's p50 TTFT 9.6 -> 5.7 ms). With every
+# slot busy, a request could not join before a slot frees anyway: chunks, whatever they take.
+CALL_BUDGET_S = 0.005
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
 # CPU backend's collectives give a peer that is late only so long).
 IDLE_S = 0.5
@@ -89,6 +91,7 @@ class Request:
   text: str = ""               # the completion's text (up to a stop string, which is left out)
   finish_reason: str | None = None
   submitted_at: float = 0.0
+  admitted_at: float | None = None  # when it got a slot
   first_token_at: float | None = None
   finished_at: float | None = None
   cancelled: bool = False
@@ -138,6 +141,15 @@ def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
   # Control flow on the device: a step whose rows are all greedy skips the draw, one without top_k/top_p the sort
   # (the sort of a 128K vocabulary per row is most of a sampling step). The rows' tokens are the same either way.
   return jax.lax.cond(jnp.any(temp_B > 0), draw, lambda _: greedy_B, None)
+
+
+def key_data(seed):
+  """The key data of `jax.random.key(seed)` for a request's seed (traceable: the prefill derives its rows' keys on the
+  device, not one host-side JAX call per prompt). JAX, 64-bit types off as meshtrain runs it, seeds a key with the
+  seed's low 32 bits; the seed arrives as those bits (uint32), so the keys equal Generator.generate's
+  (tests/test_serve.py checks seeds past 32 bits and negative ones against jax.random.key)."""
+  import jax  # after runtime.start (module docstring)
+  return jax.random.key_data(jax.random.key(seed))
 
 
 class DecodeCall(typing.NamedTuple):
@@ -245,7 +257,7 @@ class Engine:
     def init():
       cache = init_cache(c, B, S, jnp.zeros(B, jnp.int32))
       return {"cache": cache.replace(end=jnp.zeros(B, jnp.int32)), "token_B": jnp.zeros(B, jnp.int32),
-              "t_B": jnp.zeros(B, jnp.int32), "key_B": jnp.zeros((B, *self._key_shape()), jnp.uint32),
+              "t_B": jnp.zeros(B, jnp.int32), "key_B": jnp.zeros((B, *key_data(0).shape), jnp.uint32),
               "temp_B": jnp.zeros(B, jnp.float32), "top_p_B": jnp.ones(B, jnp.float32),
               "top_k_B": jnp.zeros(B, jnp.int32)}
 
@@ -271,10 +283,6 @@ class Engine:
                       for k in sorted({1, self.chunk})}
     runtime.barrier("serving's first decode", g.barrier_timeout_s)  # all processes compiled before it runs
 
-  @staticmethod
-  def _key_shape() -> tuple[int, ...]:
-    import jax  # after runtime.start (module docstring)
-    return jax.random.key_data(jax.random.key(0)).shape
 
   @staticmethod
   def _abstract(tree):
@@ -301,8 +309,13 @@ class Engine:
     from meshtrain.models.llama import init_cache
     g, c = self.gen, self.gen.model_cfg
 
-    def prefill(params, state, tokens_RP, start_R, slot_R, key_data_R, temp_R, top_p_R, top_k_R):
-      """Rows past the prompts (slot_R = slots, out of range) fill the batch: their writes are dropped."""
+    def prefill(params, state, tokens_RP, rows_R6):
+      """Rows past the prompts (slot_R = slots, out of range) fill the batch: their writes are dropped. `rows_R6`:
+      each row's start, slot, seed (its low 32 bits), temperature, top_p (float32 bits) and top_k, one array (one
+      transfer: seven cost the host more than a small model's prefill)."""
+      start_R, slot_R, top_k_R = rows_R6[:, 0], rows_R6[:, 1], rows_R6[:, 5]
+      temp_R, top_p_R = (jax.lax.bitcast_convert_type(rows_R6[:, i], jnp.float32) for i in (3, 4))
+      key_data_R = jax.vmap(key_data)(jax.lax.bitcast_convert_type(rows_R6[:, 2], jnp.uint32))
       logits_R1V, pre = g.model.apply({"params": params}, tokens_RP, cache=init_cache(c, R, P, start_R))
       keys_R = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_R), jnp.zeros(R, jnp.int32))
       token_R = sample_rows(logits_R1V[:, 0], keys_R, temp_R, top_p_R, top_k_R, g.num_ids)
@@ -317,11 +330,9 @@ class Engine:
               "key_B": at(state["key_B"], key_data_R), "temp_B": at(state["temp_B"], temp_R),
               "top_p_B": at(state["top_p_B"], top_p_R), "top_k_B": at(state["top_k_B"], top_k_R)}, token_R
 
-    rows = lambda dtype, *shape: jax.ShapeDtypeStruct((R, *shape), dtype, sharding=self.replicated)
     args = (self._abstract(g.params), self._abstract(self.state),
-            jax.ShapeDtypeStruct((R, P), jnp.int32, sharding=self.batch_sharding), rows(jnp.int32),
-            rows(jnp.int32), rows(jnp.uint32, *self._key_shape()), rows(jnp.float32), rows(jnp.float32),
-            rows(jnp.int32))
+            jax.ShapeDtypeStruct((R, P), jnp.int32, sharding=self.batch_sharding),
+            jax.ShapeDtypeStruct((R, 6), jnp.int32, sharding=self.replicated))
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
       return jax.jit(prefill, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
           *args).compile()
@@ -461,6 +472,7 @@ class Engine:
         continue
       slot = free.pop(0)
       self.active[slot] = request
+      request.admitted_at = time.perf_counter()
       plan.admit.append((slot, request))
     if self.active:
       waiting = bool(self.queue) and len(self.active) < self.slots
@@ -470,26 +482,30 @@ class Engine:
       # A chunk (one host round trip, not `chunk`: what a small model's step on the CPU mostly is) when no request
       # waits for a free slot and a chunk's steps are needed: by some active request, or, with every slot busy and
       # a request queued, before the first slot frees by its length (the request joins then, not up to a chunk
-      # later); and either every slot is busy or the chunk takes at most CALL_BUDGET_S by the measured step time.
+      # later); and either every slot is busy or two chunks take at most CALL_BUDGET_S by the measured step time.
       # Else one step. Powers of two below the chunk measured no faster, each one more program to compile.
       full = len(self.active) == self.slots
-      quick = self.step_s is not None and self.step_s * self.chunk <= CALL_BUDGET_S
+      quick = self.step_s is not None and 2 * self.step_s * self.chunk <= CALL_BUDGET_S
       room = min(left) if full and self.queue else most
       chunked = not waiting and (full or quick) and room >= self.chunk
       plan.decode = 0 if most <= 0 else self.chunk if chunked else 1
     return plan.encode()
 
   def _ahead(self) -> bool:
-    """Whether the next decode call can be dispatched before the last one's tokens are read (process 0): every slot
-    is busy (no request could be admitted before one leaves), none of them leaves by its length in the last call,
-    none is cancelled, and one needs a whole chunk more. The device then computes the next call while this thread
-    reads the last one's tokens, hands out their text and lets the server's event loop write them, instead of
-    waiting for all of that between calls. A request that ends early inside the last call (its end-of-sequence
-    token, a stop string) computes one chunk more for nothing, which nothing reads: its slot is freed a call later."""
+    """Whether the next decode call can be dispatched before the last one's tokens are read (process 0): no request
+    leaves by its length in the last call, none is cancelled, and either every slot is busy (no request could be
+    admitted before one leaves) or the last call and a step more take at most CALL_BUDGET_S (a request arriving
+    now waits for both before its prefill). The device then computes the next call while this thread reads the last
+    one's tokens, hands out their text and lets the server's event loop write them, instead of waiting for all of
+    that between calls: with a slot free, what keeps single steps (the tiny model's on the CPU) as fast as chunks.
+    A request that ends early inside the last call (its end-of-sequence token, a stop string) computes one call more
+    for nothing, which nothing reads: its slot is freed a call later."""
     active = self.active.values()
     left = [r.limit - len(r.token_ids) - self.pending.steps for r in active]
-    return (len(self.active) == self.slots and min(left) >= 1 and max(left) >= self.chunk
-            and not any(r.cancelled for r in active))
+    # With a slot free, a request arriving now waits for both calls: only while they stay within CALL_BUDGET_S.
+    quick = self.step_s is not None and (self.pending.steps + 1) * self.step_s <= CALL_BUDGET_S
+    return (bool(left) and min(left) >= 1 and not any(r.cancelled for r in active)
+            and (len(self.active) == self.slots or quick))
 
   def _read(self, call: DecodeCall) -> None:
     """Reads a decode call's tokens (waiting for the device) and gives each request still in its slot its own."""
@@ -535,22 +551,16 @@ class Engine:
   def _prefill_rows(self, P: int, prompts: list, R: int | None = None) -> np.ndarray:
     """Prefills the prompts of bucket P into their slots in one call of R rows (default: the fewest for them; every
     process); their first tokens."""
-    import jax  # after runtime.start (module docstring)
     R = R or self._rows(len(prompts))
     tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
-    start_R = np.full(R, P - 1, np.int32)  # rows past the prompts: one padding token each, never written
-    slot_R = np.full(R, self.slots, np.int32)
-    key_data_R = np.zeros((R, *self._key_shape()), np.uint32)
-    temp_R, top_p_R, top_k_R = np.zeros(R, np.float32), np.ones(R, np.float32), np.zeros(R, np.int32)
+    # Rows past the prompts: one padding token each (never written), the slot past the last (dropped), greedy.
+    rows_R6 = np.tile(np.array([P - 1, self.slots, 0, 0, np.float32(1).view(np.int32), 0], np.int32), (R, 1))
     for r, (slot, (ids, seed, temp, top_p, top_k)) in enumerate(prompts):
       tokens_RP[r, P - len(ids):] = ids
-      start_R[r], slot_R[r] = P - len(ids), slot
-      key_data_R[r] = np.asarray(jax.random.key_data(jax.random.key(seed)))
-      temp_R[r], top_p_R[r], top_k_R[r] = temp, top_p, top_k
-    rep = lambda x: place(x, self.replicated)
-    self.state, token_R = self._prefill(P, R)(
-        self.params, self.state, place(tokens_RP, self.batch_sharding), rep(start_R), rep(slot_R), rep(key_data_R),
-        rep(temp_R), rep(top_p_R), rep(top_k_R))
+      rows_R6[r] = (P - len(ids), slot, np.uint32(seed & 0xFFFFFFFF).view(np.int32),
+                    np.float32(temp).view(np.int32), np.float32(top_p).view(np.int32), top_k)
+    self.state, token_R = self._prefill(P, R)(self.params, self.state, place(tokens_RP, self.batch_sharding),
+                                              place(rows_R6, self.replicated))
     return np.asarray(token_R)[:len(prompts)]
 
   def _take(self, slot: int, request: Request, tokens: list[int]) -> None:

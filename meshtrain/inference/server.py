@@ -79,6 +79,8 @@ class Metrics:
                                buckets=buckets)
     self.tpot = prom.Histogram("meshtrain_serve_time_per_output_token_seconds",
                                "per request: (last token - first token) / (tokens - 1)", registry=r, buckets=buckets)
+    self.queue_time = prom.Histogram("meshtrain_serve_request_queue_time_seconds", "submit to getting a decode slot",
+                                     registry=r, buckets=(.001, .0025) + buckets)
     self.e2e = prom.Histogram("meshtrain_serve_request_latency_seconds", "submit to last token", registry=r,
                               buckets=buckets)
     prom.Gauge("meshtrain_serve_queue_length", "requests waiting for a slot", registry=r).set_function(
@@ -99,6 +101,8 @@ class Metrics:
     self.requests.labels(request.finish_reason).inc()
     self.prompt_tokens.inc(len(request.prompt_ids))
     self.generation_tokens.inc(len(request.token_ids))
+    if request.admitted_at is not None:
+      self.queue_time.observe(request.admitted_at - request.submitted_at)
     if request.first_token_at is not None:
       self.ttft.observe(request.first_token_at - request.submitted_at)
       self.e2e.observe(request.finished_at - request.submitted_at)
@@ -139,6 +143,7 @@ class Server:
     self.inflight = 0
     self.stop = threading.Event()
     self.thread = None
+    self.outbox, self.outbox_lock = [], threading.Lock()  # updates on their way to the event loop (hand_over)
     self.created = int(time.time())
     self.chat = None
     self.app = Starlette(routes=[
@@ -363,7 +368,7 @@ class Server:
       last = request.done
       if last:
         self.metrics.finished(request)
-      loop.call_soon_threadsafe(updates.put_nowait, (request, delta, last))
+      self.hand_over(loop, updates, (request, delta, last))
 
     requests = [engine_lib.Request(prompt_ids=ids, max_tokens=asked.max_tokens, temperature=asked.temperature,
                                    top_p=asked.top_p, top_k=asked.top_k,
@@ -400,25 +405,52 @@ class Server:
     try:
       # Nothing is sent before the first update: every chunk names the checkpoint that answers, known once the
       # request has a slot.
-      first = await updates.get()
+      update = await updates.get()
+      events = []
       if reply.chat:
-        yield reply.sse([reply.chunk(i, {"role": "assistant", "content": ""}, None)
-                         for i in range(len(reply.requests))])
+        events.append(reply.sse([reply.chunk(i, {"role": "assistant", "content": ""}, None)
+                                 for i in range(len(reply.requests))]))
       unfinished = len(reply.requests)
-      while unfinished:  # until every choice's last update, each read in the order the engine sent them
-        request, delta, last = first if first is not None else await updates.get()
-        first = None
+      while True:  # until every choice's last update, each read in the order the engine sent them
+        request, delta, last = update
         i = reply.requests.index(request)
         reason = reply.reason(request) if last else None
         unfinished -= last
         if delta or reason:
-          yield reply.sse([reply.chunk(i, {"content": delta} if reply.chat else delta, reason)])
+          events.append(reply.sse([reply.chunk(i, {"content": delta} if reply.chat else delta, reason)]))
+        if not unfinished:
+          break
+        if updates.empty():
+          # One write for what has arrived (several updates when the loop fell behind): each write is a send on
+          # the socket and a pass through the ASGI stack, the event loop's biggest cost at saturation.
+          if events:
+            yield "".join(events)
+            events = []
+          update = await updates.get()
+        else:
+          update = updates.get_nowait()
       if include_usage:
-        yield reply.sse([], usage=True)
-      yield "data: [DONE]\n\n"
+        events.append(reply.sse([], usage=True))
+      yield "".join(events) + "data: [DONE]\n\n"  # the last chunks in one write
     finally:
       self.inflight -= 1
       self.inflight_done(reply)
+
+  def hand_over(self, loop, updates: asyncio.Queue, update) -> None:
+    """Puts an update into a response's queue on the event loop (from the engine thread). The updates of one engine
+    step (one per busy slot) go over in one wake-up of the loop, not one each: a wake-up is a write to the loop's
+    pipe, a read and a pass of the loop, for every token of every request."""
+    with self.outbox_lock:
+      self.outbox.append((updates, update))
+      wake = len(self.outbox) == 1
+    if wake:
+      loop.call_soon_threadsafe(self.deliver)
+
+  def deliver(self) -> None:
+    with self.outbox_lock:
+      outbox, self.outbox = self.outbox, []
+    for updates, update in outbox:
+      updates.put_nowait(update)
 
   @staticmethod
   def inflight_done(reply: "Reply") -> None:
