@@ -131,6 +131,36 @@ def test_the_next_call_is_dispatched_before_the_last_is_read_unless_a_request_le
   assert request.token_ids == expected[0]
 
 
+def test_prompt_buckets_pad_at_most_a_quarter_with_four_per_doubling():
+  """Multiples of 16 up to 128 tokens, then an eighth of the next power of two: few compiled prefills for a long
+  context (32 for 8K, not 512), none padding a prompt by more than a quarter past 128 tokens."""
+  assert [generator.bucket(n) for n in (1, 16, 17, 100, 128, 129, 160, 161, 257, 300, 1000, 1025)] == \
+      [16, 16, 32, 112, 128, 160, 160, 192, 320, 320, 1024, 1280]
+  assert len({generator.bucket(n) for n in range(1, 8193)}) == 32
+  assert all(n <= generator.bucket(n) <= max(n + 15, 1.25 * n) for n in range(1, 8193))
+
+
+def test_decode_attends_over_the_slots_in_use_not_the_context(params):
+  """With a context of 300 (cache rows of 363 slots: 300 + the 63 a prompt of 257 pads), decode calls attend over
+  the first 128 slots while every busy row's slots fit in them, over the whole row after: the tokens are generate's,
+  alone and together, across the switch (a request of 150 tokens from a 32-slot prompt bucket passes slot 128)."""
+  gen = generator.Generator(params, MODEL, num_ids=MODEL.vocab_size, max_len=300)
+  engine = engine_lib.Engine(gen, slots=2)
+  assert engine.attends == [128, 363]
+  spans = []
+  run = engine._run
+  engine._run = lambda plan: (spans.append(engine_lib.Plan.parse(plan).attend), run(plan))[1]
+  # The first runs to its limit (no end token); the last's prompt of 150 tokens pads to a bucket of 160.
+  asks = [(PROMPTS[1], 150), (PROMPTS[3], 20), (PROMPTS[4], 60), (list(range(200, 350)), 12)]
+  want = [gen.generate([p], n).token_ids[0] for p, n in asks]
+  requests = [engine_lib.Request(prompt_ids=p, max_tokens=n) for p, n in asks]
+  run_staggered(engine, requests, every=2)
+  assert [r.token_ids for r in requests] == want
+  spans = [n for n in spans if n]  # plans that decode
+  first = spans.index(363)  # the long request's row passes slot 128 (the others' end before it)
+  assert first >= 10 and set(spans[:first]) == {128}, spans
+
+
 def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
   """warm() compiles and runs each prefill and decode program before any request (a first run costs more than the
   next: it would land in the first requests' latency); what it computes lands in no slot a request gets."""
@@ -138,7 +168,7 @@ def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
   before = engine.steps
   engine.warm(16)
   assert set(engine.prefills) == {(16, 1), (16, 2)}
-  assert int(engine.state["t_B"][0]) == sum(engine.decodes)  # the decode programs ran (every slot stepped)
+  assert int(engine.state["t_B"][0]) == sum(k for k, _ in engine.decodes)  # each decode program ran (every slot)
   requests = [greedy(0), greedy(4)]
   engine.submit(*requests)
   while not all(r.done for r in requests):
@@ -548,12 +578,15 @@ def test_live_checkpoints_swap_in_without_compiling(tmp_path):
 
 
 @pytest.mark.slow  # several processes (the slow marker's kind): the 3.11 suite runs it
-def test_two_processes_serve_like_one(workdir, generated):
+@pytest.mark.parametrize("warm", [False, True], ids=["compiled-on-first-use", "warm"])
+def test_two_processes_serve_like_one(workdir, generated, warm):
   """Two processes of 4 devices serve one model (fsdp=8 across both: every weight and slot row is split over the
   processes): process 0 serves HTTP and broadcasts each step's plan, both run it; concurrent greedy requests get
-  one process's generate tokens; SIGTERM to the launcher drains and both processes exit 0."""
+  one process's generate tokens; SIGTERM to the launcher drains and both processes exit 0. Programs compiled on
+  first use (both processes compile in the same step, then meet at a barrier) or all of them by --warm before
+  serving (every process runs each once, in the same order: their collectives meet)."""
   proc, url = start_server(workdir, "--slots", "8", "--config.mesh.data=1", "--config.sharding.rules=fsdp",
-                           "--config.mesh.fsdp=4", "--config.mesh.nodes.fsdp=2",
+                           "--config.mesh.fsdp=4", "--config.mesh.nodes.fsdp=2", *["--warm"] * warm,
                            launch=["-m", "meshtrain.launch", "--processes", "2", "--devices-per-process", "4",
                                    "--module", "meshtrain.serve", "--"])
   try:

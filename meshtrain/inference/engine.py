@@ -5,12 +5,12 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
 - one KV cache of [slots, S] rows (S: the context plus the longest padding a prompt bucket adds), sharded by the
   same logical rules as training (`cache_batch` over the batch axes, `cache_kv_heads` over `tensor`), donated to
   every call;
-- `prefill`: the prompts admitted in one step whose lengths share a bucket, each left-padded to that multiple of
-  PROMPT_BUCKET exactly as Generator.generate pads it, as the rows of one call (rows a power of two: one compiled
+- `prefill`: the prompts admitted in one step whose lengths share a bucket (generator.bucket), each left-padded to
+  it exactly as Generator.generate pads it, as the rows of one call (rows a power of two: one compiled
   program per bucket and row count, compiled on first use or by `warm()`), run through the model into a cache of P
   slots, their first tokens sampled, and each row's cache inserted into its free slot row: slots [0, P) of the row,
   its own first slot (start) and next slot (end); between decode steps;
-- `decode`: ONE compiled step for all slots: each slot feeds its last token at its own next slot (KVCache.end is
+- `decode`: one compiled step for all slots: each slot feeds its last token at its own next slot (KVCache.end is
   [slots]: every row writes and attends at its own position) and samples with its own temperature, top_p, top_k
   and key (vectorized over the slots); slots that hold no request compute too, and nothing reads them. A call runs
   a chunk of steps while no request waits for a slot, every request needs a chunk more, and either every slot is
@@ -18,7 +18,9 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
   most CALL_BUDGET_S (by the measured step time), else one step. A call's tokens are read on the next engine step,
   after that step's call is dispatched (the device computes it while the host hands out the last one's text), when
   every slot is busy or both calls take at most CALL_BUDGET_S, and no request leaves by its length in the last call
-  or is cancelled (`Engine._ahead`); otherwise first.
+  or is cancelled (`Engine._ahead`); otherwise first. ONE program per call length and attention span: a call
+  attends over the cache's first `attend` slots (`Plan.attend`, the fewest of `Engine.attends`, 128, 256, ..., the
+  row, that hold every busy row's slots after it), not over rows the context long whatever the requests use.
 
 A slot is freed at its request's end-of-sequence token, max_tokens, the context, a stop string, or when the request
 is cancelled (the client went away). A request's token t is drawn with fold_in(key(seed), t) on its own row's
@@ -52,7 +54,7 @@ import numpy as np
 
 from meshtrain import runtime
 from meshtrain.errors import UserError
-from meshtrain.inference.generator import PROMPT_BUCKET, Sampling, bucket, place
+from meshtrain.inference.generator import Sampling, bucket, place
 
 
 # Decode steps per device call while no request waits for a slot (Engine's `chunk`). A slot whose request ends
@@ -65,6 +67,8 @@ DECODE_CHUNK = 8
 # (benchmarks/2026-12-04-serve-6.md: at half the saturation rate the tiny model's p50 TTFT 9.6 -> 5.7 ms). With every
 # slot busy, a request could not join before a slot frees anyway: chunks, whatever they take.
 CALL_BUDGET_S = 0.005
+# The shortest attention span of a decode program (Engine.attends): the spans double from it up to the cache row.
+ATTEND_MIN = 128
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
 # CPU backend's collectives give a peer that is late only so long).
 IDLE_S = 0.5
@@ -99,6 +103,7 @@ class Request:
   limit: int = 0               # tokens it may make: max_tokens within the context
   group: int = 0               # requests submitted together (the choices of one HTTP request): one checkpoint
   step: int | None = None      # the checkpoint step that answers it (set when it gets a slot)
+  slot_end: int = 0            # process 0: the next cache slot its row writes at, once the calls dispatched have run
 
   def cancel(self) -> None:
     """Free its slot at the next step (any thread)."""
@@ -169,11 +174,12 @@ class Plan:
   admit: list = dataclasses.field(default_factory=list)     # (slot, Request): process 0's, before encoding
   prompts: list = dataclasses.field(default_factory=list)   # (slot, (ids, seed, temperature, top_p, top_k))
   decode: int = 0
+  attend: int = 0   # the cache slots the decode steps attend over (a program of Engine.attends)
   stop: bool = False
 
   def encode(self) -> np.ndarray:
     as_int = lambda x: int(np.float32(x).view(np.int32))
-    out = [int(self.stop), -1 if self.swap is None else self.swap, self.decode, len(self.admit)]
+    out = [int(self.stop), -1 if self.swap is None else self.swap, self.decode, self.attend, len(self.admit)]
     for slot, r in self.admit:  # the seed (any 64-bit integer) as its low and high 32 bits
       low, high = np.asarray(r.seed & 0xFFFFFFFF, np.uint32).view(np.int32), r.seed >> 32
       out += [slot, low, high, as_int(r.temperature), as_int(r.top_p), r.top_k, len(r.prompt_ids), *r.prompt_ids]
@@ -183,9 +189,9 @@ class Plan:
   def parse(cls, x: np.ndarray) -> "Plan":
     x = [int(v) for v in x]
     as_float = lambda i: float(np.int32(i).view(np.float32))
-    plan = cls(stop=bool(x[0]), swap=None if x[1] < 0 else x[1], decode=x[2])
-    at = 4
-    for _ in range(x[3]):
+    plan = cls(stop=bool(x[0]), swap=None if x[1] < 0 else x[1], decode=x[2], attend=x[3])
+    at = 5
+    for _ in range(x[4]):
       slot, low, high, temp, top_p, top_k, n = x[at:at + 7]
       seed = (high << 32) | (low & 0xFFFFFFFF)
       plan.prompts.append((slot, (x[at + 7:at + 7 + n], seed, as_float(temp), as_float(top_p), top_k)))
@@ -222,10 +228,13 @@ class Engine:
     self.slots = -(-slots // generator.batch_ways) * generator.batch_ways  # whole rows on every batch shard
     self.max_len = generator.max_len
     self.max_bucket = bucket(self.max_len - 1)
-    # A prompt of n tokens takes its bucket P <= n + 15 slots, then every new token but the last writes one:
-    # P + max_len - n - 1 <= max_len + 14 slots whatever n, and the longest bucket fits too. Every decode step
-    # attends over the whole row, so the row is no longer than that (not max_bucket + max_len: 1.8x the attention).
-    self.cache_len = max(self.max_len + PROMPT_BUCKET - 1, self.max_bucket)
+    # A prompt of n tokens takes its bucket's P slots (P - n: up to 15 up to 128 tokens, a quarter of n past that),
+    # then every new token but the last writes one: P + max_len - n - 1 slots, under max_len + the most any bucket
+    # pads, and the longest bucket fits too. No longer than that (not max_bucket + max_len: 1.8x the memory).
+    self.cache_len = max(self.max_len + max(bucket(n) - n for n in range(1, self.max_len)), self.max_bucket)
+    # The decode programs' attention spans (`Plan.attend`): each call attends over the fewest of these that holds
+    # every busy row's slots, not over the context: 128, 256, ... while at most half the row, then the row.
+    self.attends = [n for n in (ATTEND_MIN << i for i in range(32)) if 2 * n <= self.cache_len] + [self.cache_len]
     self.max_queue = max_queue
     self.queue: collections.deque[Request] = collections.deque()
     self.active: dict[int, Request] = {}  # slot -> its request
@@ -261,27 +270,43 @@ class Engine:
               "temp_B": jnp.zeros(B, jnp.float32), "top_p_B": jnp.ones(B, jnp.float32),
               "top_k_B": jnp.zeros(B, jnp.int32)}
 
-    def decode(params, state):
-      logits_B1V, cache = g.model.apply({"params": params}, state["token_B"][:, None], cache=state["cache"])
+    def decode(params, state, attend):
+      # Every row holding a request writes below `attend` during the call (the plan picks it so); a free row keeps
+      # stepping with its next slot held at attend - 1: it writes within the cache and sees a slot (what it computes
+      # is never read).
+      cache = state["cache"]
+      cache = cache.replace(end=jnp.minimum(cache.end, attend - 1), attend=attend)
+      logits_B1V, cache = g.model.apply({"params": params}, state["token_B"][:, None], cache=cache)
       keys_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state["key_B"]), state["t_B"])
       token_B = sample_rows(logits_B1V[:, 0], keys_B, state["temp_B"], state["top_p_B"], state["top_k_B"], g.num_ids)
-      # A free slot keeps stepping; its next slot stays within the cache (what it writes is never read).
-      cache = cache.replace(end=jnp.minimum(cache.end, S - 1))
-      return {**state, "cache": cache, "token_B": token_B, "t_B": state["t_B"] + 1}, token_B
+      return {**state, "cache": cache.replace(attend=0), "token_B": token_B, "t_B": state["t_B"] + 1}, token_B
 
-    def decode_steps(params, state, steps):
-      """`steps` decode steps in one device call: tokens [steps, B]."""
-      return jax.lax.scan(lambda s, _: decode(params, s), state, None, length=steps)
+    def decode_steps(params, state, steps, attend):
+      """`steps` decode steps in one device call, attending over the cache's first `attend` slots: tokens
+      [steps, B]."""
+      return jax.lax.scan(lambda s, _: decode(params, s, attend), state, None, length=steps)
 
+    self._decode_steps = decode_steps
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
       init_c = jax.jit(init).lower().compile()
       self.state_shardings = init_c.output_shardings
       self.state = init_c()
-      self.decodes = {k: jax.jit(decode_steps, static_argnums=2, donate_argnums=1,
-                                 out_shardings=(self.state_shardings, self.replicated)).lower(
-                                     self._abstract(g.params), self._abstract(self.state), k).compile()
-                      for k in sorted({1, self.chunk})}
-    runtime.barrier("serving's first decode", g.barrier_timeout_s)  # all processes compiled before it runs
+    self.decodes = {}  # (steps, attend) -> compiled decode steps
+
+  def _decode(self, steps: int, attend: int):
+    """The compiled `steps` decode steps over the cache's first `attend` slots (compiled on first use, as
+    `_prefill`)."""
+    import flax.linen as nn  # after runtime.start (module docstring)
+    import jax
+    if (steps, attend) not in self.decodes:
+      g = self.gen
+      with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
+        self.decodes[steps, attend] = jax.jit(
+            self._decode_steps, static_argnums=(2, 3), donate_argnums=1,
+            out_shardings=(self.state_shardings, self.replicated)).lower(
+                self._abstract(g.params), self._abstract(self.state), steps, attend).compile()
+      runtime.barrier("serving's first run of a compiled decode", g.barrier_timeout_s)
+    return self.decodes[steps, attend]
 
 
   @staticmethod
@@ -344,13 +369,13 @@ class Engine:
     land in the first requests' latency. The runs change no slot a request could hold: no slot holds one yet, and
     the prefills' rows are all past the slots (dropped)."""
     counts = sorted({self._rows(n) for n in range(1, self.slots + 1)})
-    last = min(bucket(longest or self.max_bucket), self.max_bucket)
-    for P in range(PROMPT_BUCKET, last + 1, PROMPT_BUCKET):
+    for P in sorted({bucket(n) for n in range(1, min(longest or self.max_len - 1, self.max_len - 1) + 1)}):
       for R in counts:
         self._prefill_rows(P, [], R)
-    for k in self.decodes:
-      self.state, tokens_KB = self.decodes[k](self.params, self.state)
-      np.asarray(tokens_KB)
+    for k in sorted({1, self.chunk}):
+      for attend in self.attends:
+        self.state, tokens_KB = self._decode(k, attend)(self.params, self.state)
+        np.asarray(tokens_KB)
 
   # --- requests ---
 
@@ -473,6 +498,7 @@ class Engine:
       slot = free.pop(0)
       self.active[slot] = request
       request.admitted_at = time.perf_counter()
+      request.slot_end = bucket(len(request.prompt_ids))  # its prefill fills slots [0, P)
       plan.admit.append((slot, request))
     if self.active:
       waiting = bool(self.queue) and len(self.active) < self.slots
@@ -489,6 +515,12 @@ class Engine:
       room = min(left) if full and self.queue else most
       chunked = not waiting and (full or quick) and room >= self.chunk
       plan.decode = 0 if most <= 0 else self.chunk if chunked else 1
+      # The fewest cache slots the call's steps see: the rows' next slots after it (a chunk runs past a request's
+      # end, which nothing reads; past the cache only beyond its limit: the context's S).
+      reach = max(r.slot_end for r in self.active.values()) + plan.decode
+      plan.attend = next((n for n in self.attends if n >= reach), self.cache_len)
+      for r in self.active.values():
+        r.slot_end += plan.decode
     return plan.encode()
 
   def _ahead(self) -> bool:
@@ -539,7 +571,7 @@ class Engine:
           request.step = self.step_served
           self._take(slot, request, [int(token)])
     if plan.decode:
-      self.state, tokens_KB = self.decodes[plan.decode](self.params, self.state)  # dispatched, not waited for
+      self.state, tokens_KB = self._decode(plan.decode, plan.attend)(self.params, self.state)  # not waited for
       self.steps += plan.decode
       if self.leader:
         earlier, self.pending = self.pending, DecodeCall(tokens_KB, dict(self.active), plan.decode,

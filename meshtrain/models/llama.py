@@ -203,11 +203,15 @@ class KVCache:
   `end` of shape [B] every row writes at its own slot (a serving engine's slots, each at its own point of its own
   request).
   k_NBKSE[i] is layer i's [B, K, S, E]: one stacked array under a scanned layer stack (the layer axis leads, as
-  in the weights), a tuple of per-layer arrays for unrolled layers (each updated in place, never restacked)."""
+  in the weights), a tuple of per-layer arrays for unrolled layers (each updated in place, never restacked).
+  `attend` > 0 (static: part of the compiled program): the new tokens attend over slots [0, attend) only, which the
+  caller guarantees hold every slot they see (a serving engine whose rows are the context long, most of them unused:
+  attention reads attend slots, not S)."""
   k_NBKSE: jax.Array | tuple
   v_NBKSE: jax.Array | tuple
   start_B: jax.Array  # int32 [B]
   end: jax.Array      # int32 scalar, or [B]: each row's own next slot (meshtrain/inference/engine.py's decode slots)
+  attend: int = flax.struct.field(pytree_node=False, default=0)  # 0: all S slots
 
   def padded(self, rows: int) -> "KVCache":
     """The cache with empty rows appended up to `rows` (their own tokens start at slot 0: never read)."""
@@ -244,7 +248,8 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BLD, pos_L, kv=None, slots=None):
     """[B, L, D] -> [B, L, D]. Generation passes this layer's cache `kv` ([B, K, S, E] keys and values) and
-    `slots` (KVCache's start_B and end), positions [B, L]; it then returns the output and the updated cache."""
+    `slots` (KVCache's start_B, end and attend), positions [B, L]; it then returns the output and the updated
+    cache."""
     c = self.cfg
     D, H, K, E = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)  # residual branches summed N times: keep their sum O(1)
@@ -281,11 +286,13 @@ class Attention(nn.Module):
                                         ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     v_BLKE = nn.with_logical_constraint(v_BLKE, ("act_batch", "act_len", "act_kv_heads", "act_head_dim"))
     if kv is not None:
-      (k_BKSE, v_BKSE), (start_B, end) = kv, slots
+      (k_BKSE, v_BKSE), (start_B, end, attend) = kv, slots
       write = lambda cache_BKSE, new_BLKE: nn.with_logical_constraint(write_slots(
           cache_BKSE, new_BLKE.transpose(0, 2, 1, 3).astype(cache_BKSE.dtype), end), CACHE_AXES[1:])
       k_BKSE, v_BKSE = write(k_BKSE, k_BLKE), write(v_BKSE, v_BLKE)
-      o_BLHE = attention.cached_attention(q_BLHE, k_BKSE, v_BKSE, start_B, end, c.sliding_window)
+      seen = slice(None, attend or None)  # a static prefix: XLA reads only those slots
+      o_BLHE = attention.cached_attention(q_BLHE, k_BKSE[:, :, seen], v_BKSE[:, :, seen], start_B, end,
+                                          c.sliding_window)
       o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
       return c.products(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BKSE, v_BKSE)
     if axis := context_axis():
@@ -416,7 +423,7 @@ class Transformer(nn.Module):
     x_BLD = nn.with_logical_constraint(x_BLD, ("act_batch", "act_res_len", "act_embed"))
     slot_BL = cache.end.reshape(-1, 1) + jnp.arange(tokens_BL.shape[1], dtype=jnp.int32)  # [1, L] or [B, L]
     pos_BL = slot_BL - cache.start_B[:, None]  # each row counts from its own first token
-    kv, slots = (cache.k_NBKSE, cache.v_NBKSE), (cache.start_B, cache.end)
+    kv, slots = (cache.k_NBKSE, cache.v_NBKSE), (cache.start_B, cache.end, cache.attend)
     if c.scan_layers:
       stack = nn.scan(Block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, 0, nn.broadcast), length=c.num_layers, unroll=unrolled_layers(c),

@@ -1,0 +1,77 @@
+"""The engine's decode over the cache slots in use against the whole row (issue 27): the server's engine alone
+(no HTTP) on a context longer than the requests use, every request at once, with the attention spans of
+`Engine.attends` and with the row only; static batching through `Generator.generate` as the reference. Rounds
+alternate the three (this machine's speed drifts between minutes); the median round's ratios are reported.
+
+  python experiments/serve_attend_bench.py --workdir runs/bench_tiny --max-len 1024 [--requests 64]
+      [--max-tokens 64] [--slots 8] [--rounds 3] [--out experiments/serve_attend_bench.json]
+
+Prompts of 4-40 random byte ids, greedy, every request to its max_tokens: the rows use at most 48 + 64 slots of
+their 1,000-odd.
+"""
+import argparse
+import json
+import pathlib
+import time
+
+import numpy as np
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--max-len", type=int, default=1024)
+  parser.add_argument("--requests", type=int, default=64)
+  parser.add_argument("--max-tokens", type=int, default=64)
+  parser.add_argument("--slots", type=int, default=8)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--out", default="experiments/serve_attend_bench.json")
+  args = parser.parse_args()
+  from meshtrain import config as config_lib, runtime
+  cfg = config_lib.base_config()
+  cfg.cpu_devices = 1
+  runtime.start(cfg)
+  from meshtrain.inference.engine import Engine, Request
+  from meshtrain.inference.generator import Generator
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(32, 127, int(n)).tolist() for n in rng.integers(4, 41, args.requests)]
+  gen = Generator.from_workdir(args.workdir, max_len=args.max_len)
+  spans = Engine(gen, slots=args.slots, max_queue=len(prompts))
+  whole = Engine(gen, slots=args.slots, max_queue=len(prompts))
+  whole.attends = [whole.cache_len]  # every call over the whole row, as before the spans
+  for engine in (spans, whole):
+    engine.warm(max(len(p) for p in prompts))
+
+  def engine_alone(engine):
+    requests = [engine.submit(Request(prompt_ids=p, max_tokens=args.max_tokens)) for p in prompts]
+    t0 = time.perf_counter()
+    while not all(r.done for r in requests):
+      engine.step()
+    wall = time.perf_counter() - t0
+    return round(sum(len(r.token_ids) for r in requests) / wall, 1), [r.token_ids for r in requests]
+
+  def static():
+    t0, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), args.slots):
+      tokens += sum(len(x) for x in gen.generate(prompts[i:i + args.slots], args.max_tokens,
+                                                  stop_at_eos=False).token_ids)
+    return round(tokens / (time.perf_counter() - t0), 1)
+
+  static(), engine_alone(spans), engine_alone(whole)  # every program run once
+  rounds = []
+  for _ in range(args.rounds):
+    (a, tokens_a), (b, tokens_b), s = engine_alone(spans), engine_alone(whole), static()
+    assert tokens_a == tokens_b, "the spans changed a token"
+    rounds.append({"spans_tokens_per_s": a, "whole_row_tokens_per_s": b, "static_tokens_per_s": s,
+                   "spans_vs_whole_row": round(a / b, 3), "spans_vs_static": round(a / s, 3),
+                   "whole_row_vs_static": round(b / s, 3)})
+    print(rounds[-1], flush=True)
+  median = sorted(rounds, key=lambda r: r["spans_vs_whole_row"])[len(rounds) // 2]
+  out = {"max_len": args.max_len, "cache_len": spans.cache_len, "attends": spans.attends, "slots": spans.slots,
+         "requests": args.requests, "max_tokens": args.max_tokens, "rounds": rounds, "median": median}
+  pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+  print(json.dumps(out["median"]))
+
+
+if __name__ == "__main__":
+  main()
