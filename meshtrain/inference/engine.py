@@ -64,7 +64,7 @@ DECODE_CHUNK = 8
 # request that arrives meanwhile waits for the calls in flight (the one being read and the one dispatched ahead of
 # it, `Engine._ahead`) before its prefill, so this bounds what they add to its time to first token. The tiny model's
 # chunk on the CPU (8 x 1.2 ms) and the 125m shapes' (8 x 45 ms) become single steps, pipelined
-# (benchmarks/2026-12-04-serve-6.md: at half the saturation rate the tiny model's p50 TTFT 9.6 -> 5.7 ms). With every
+# (benchmarks/2026-12-04-serve-6.md: at half the saturation rate the tiny model's p50 TTFT 9.6 -> 6.0 ms). With every
 # slot busy, a request could not join before a slot frees anyway: chunks, whatever they take.
 CALL_BUDGET_S = 0.005
 # The shortest attention span of a decode program (Engine.attends): the spans double from it up to the cache row.
@@ -307,7 +307,6 @@ class Engine:
                 self._abstract(g.params), self._abstract(self.state), steps, attend).compile()
       runtime.barrier("serving's first run of a compiled decode", g.barrier_timeout_s)
     return self.decodes[steps, attend]
-
 
   @staticmethod
   def _abstract(tree):
