@@ -41,7 +41,8 @@ def parse_args(argv: list[str]):
   parser.add_argument("--grace-s", type=float, default=30.0, help="how long SIGTERM waits for requests in flight")
   parser.add_argument("--max-len", type=int, default=None,
                       help="longest prompt + completion in tokens (default: the run's seq_len, its trained context)")
-  parser.add_argument("--warm", action="store_true", help="compile every prompt bucket's prefill before serving")
+  parser.add_argument("--warm", action="store_true",
+                      help="compile and run every program (each prompt bucket's prefill, each decode span) first")
   args, overrides = parser.parse_known_args(argv)
   if not 0 <= args.port <= 65535:
     raise UserError(f"--port {args.port} must be between 0 and 65535")
