@@ -14,7 +14,7 @@ import json
 import pathlib
 import time
 
-import numpy as np
+from serve_bench import make_prompts
 
 
 def main():
@@ -33,8 +33,7 @@ def main():
   runtime.start(cfg)
   from meshtrain.inference.engine import Engine, Request
   from meshtrain.inference.generator import Generator
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(32, 127, int(n)).tolist() for n in rng.integers(4, 41, args.requests)]
+  prompts = make_prompts(args.requests)  # serve_bench.py's
   gen = Generator.from_workdir(args.workdir, max_len=args.max_len)
   spans = Engine(gen, slots=args.slots, max_queue=len(prompts))
   whole = Engine(gen, slots=args.slots, max_queue=len(prompts))

@@ -35,6 +35,12 @@ import urllib.request
 import numpy as np
 
 
+def make_prompts(count: int) -> list[list[int]]:
+  """The benchmark's prompts: `count` of 4-40 random printable byte ids (the same ones every run)."""
+  rng = np.random.default_rng(0)
+  return [rng.integers(32, 127, int(n)).tolist() for n in rng.integers(4, 41, count)]
+
+
 def start_server(workdir: str, slots: int, max_len: int | None = None):
   proc = subprocess.Popen([sys.executable, "-m", "meshtrain.serve", "--workdir", workdir, "--port", "0", "--slots",
                            str(slots), "--max-queue", "1024", "--warm",
@@ -212,9 +218,8 @@ def main():
   parser.add_argument("--out", default="experiments/serve_bench.json")
   parser.add_argument("--plot", default="docs/images/serve_bench.png")
   args = parser.parse_args()
-  rng = np.random.default_rng(0)
   poisson = args.poisson_requests or args.requests
-  every = [rng.integers(32, 127, int(n)).tolist() for n in rng.integers(4, 41, max(args.requests, poisson))]
+  every = make_prompts(max(args.requests, poisson))
   prompts = every[:args.requests]
   results = {"requests": args.requests, "poisson_requests": poisson, "max_tokens": args.max_tokens,
              "slots": args.slots, "max_len": args.max_len}
