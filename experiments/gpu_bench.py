@@ -12,8 +12,9 @@ One call, in order; each step that imports JAX is its own process, so only one h
    unknown flag aborts XLA); cuDNN attention, forward and backward, at both models' head shapes against XLA's.
    If cuDNN fails or disagrees, both models run with model.attention=xla and the summary says so.
 3. llama1b (4 x 4,096 tokens, float32 parameters, bf16 compute), then llama8b (2 x 4,096 tokens, bf16 parameters
-   and Adam moments: 8.0B x 6 bytes = 48 GB), each `python -m meshtrain.bench --json` with save_dots remat. At
-   most one retry per model: with full remat after an out-of-memory error, with XLA's attention after an error
+   and Adam moments: 8.0B x 6 bytes = 48 GB), each `python -m meshtrain.bench --json` with save_dots remat
+   (`--remat none` or `full` to start elsewhere). At most one retry per model: with the next remat policy
+   (none -> save_dots -> full) after an out-of-memory error, with XLA's attention after an error
    naming cuDNN; any other failure is deterministic and is not retried (another compile would fail the same
    way). Every attempt has its own log.
 4. Results in $OUT (the device tool's folder that comes back; else runs/gpu_bench): gpu_bench.jsonl (one line per
@@ -48,7 +49,7 @@ MODELS = {  # name: (config file, overrides, seconds at most for one attempt)
     "llama1b": ("configs/llama1b.py", {"batch_size": "4"}, 210),
     "llama8b": ("configs/llama8b.py", {"batch_size": "2", "model.param_dtype": "bfloat16"}, 270),
 }
-REMATS = ("save_dots", "full")  # save_dots first (fastest); full only after running out of memory
+REMATS = ("none", "save_dots", "full")  # each falls back to the next after running out of memory
 MAX_ATTEMPTS = 2  # per model: time for one more compile, and at most 7 files in $OUT
 # --dry-run: the same commands at shapes a CPU compiles in seconds, on one simulated device.
 TINY_BENCH = {"--steps": "2", "--warmup": "1"}
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--results", default="", help="results folder (default: $OUT, else runs/gpu_bench)")
   parser.add_argument("--site", default="", help="folder for the carried wheels (default: a temporary one)")
   parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, in order")
+  parser.add_argument("--remat", default="save_dots", choices=REMATS,
+                      help="the remat policy tried first (out of memory: the next of none, save_dots, full)")
   args = parser.parse_args(argv)
   if args.wheels:
     return subprocess.call([sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-deps",
@@ -255,7 +258,7 @@ def benchmark(args, results: pathlib.Path, site: pathlib.Path) -> int:
   rows = []
   with open(results / "gpu_bench.jsonl", "w") as jsonl:
     for name in args.models.split(","):
-      attempt = (REMATS[0], attention)
+      attempt = (args.remat, attention)
       for _ in range(MAX_ATTEMPTS):
         if attempt is None:
           break

@@ -11,6 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The GPU machine's versions that matter (KINDS.md of the device tool: Python 3.12.3, jax/jaxlib 0.11.2).
 JAX_VERSION=0.11.2
+# The GPU machine's Orbax (its warning named 0.12.4 on 2026-12-04): older than the registry's newest, and built
+# differently where meshtrain adds the checkpoint checksums (meshtrain/checkpoint/integrity.py, BUILDERS).
+ORBAX_VERSION=0.12.4
 # A Python 3.12 that runs: $PY312, else pyenv's (also when HOME is a temporary one, as in a cold-cache CI run; its
 # python3.12 shim fails unless 3.12 is selected, so the interpreters are called directly), else python3.12.
 real_home=$(getent passwd "$(id -un)" | cut -d: -f6 || true)
@@ -26,7 +29,7 @@ fi
 VENV=.venv-gpu
 # The GPU machine's packages that meshtrain imports (KINDS.md of the device tool lists them all); a venv made from
 # another list is made again, so a package added here (tqdm, once) is not masked by an older venv that has it.
-PACKAGES="jax==$JAX_VERSION jaxlib==$JAX_VERSION flax optax orbax-checkpoint chex absl-py tensorstore numpy pytest tqdm"
+PACKAGES="jax==$JAX_VERSION jaxlib==$JAX_VERSION flax optax orbax-checkpoint==$ORBAX_VERSION chex absl-py tensorstore numpy pytest tqdm"
 if [[ ! -x $VENV/bin/python ]] || [[ "$(cat $VENV/packages.txt 2>/dev/null)" != "$PACKAGES" ]]; then
   rm -rf $VENV
   "$PY312" -m venv $VENV

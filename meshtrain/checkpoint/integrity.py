@@ -109,20 +109,35 @@ def checksum_of(codecs: list) -> str | None:
   return None
 
 
+# Where Orbax builds an array's Zarr metadata (in tensorstore_utils), by version: 0.12.5 on, a private function for
+# Zarr v3 alone; 0.12.4 (what the GPU machine has) and before, one public function for v2 and v3, called by its
+# module-level name, so replacing the module attribute reaches every array. (function name, the probe that builds
+# the metadata of a small array and returns it)
+BUILDERS = (
+    ("_build_zarr3_metadata", lambda: ts_utils._build_zarr_shard_and_chunk_metadata(
+        global_shape=(4,), shard_shape=(4,), use_zarr3=True, chunk_shape=(4,))[0]),
+    ("build_zarr_shard_and_chunk_metadata", lambda: ts_utils.build_zarr_shard_and_chunk_metadata(
+        global_shape=(4,), shard_shape=(4,), use_zarr3=True, chunk_shape=(4,))),
+)
+
+
 def enable_array_checksums() -> str | None:
   """Makes every Zarr v3 array Orbax writes carry a checksum on each chunk (ARRAY_CHECKSUM); returns which, or None.
 
   TensorStore computes it when it encodes a chunk and checks it when it decodes one (a mismatch is a DATA_LOSS
   error naming the array), and Orbax reads the codecs from each array's stored `zarr.json`, so restoring needs
-  nothing. Orbax 0.12 builds the codec list in one function without an option for it: this wraps that function
-  (once per process; it also sets the zstd level, see ZSTD_LEVEL) and checks the result. Another Orbax without that
-  function gets no array checksums and a warning.
+  nothing. Orbax builds the codec list in one function without an option for it (BUILDERS): this wraps that
+  function (once per process; it also sets the zstd level, see ZSTD_LEVEL) and checks the result. An Orbax with
+  neither function gets no array checksums and a warning.
   """
-  build = getattr(ts_utils, "_build_zarr3_metadata", None)
+  name, probe = next(((n, p) for n, p in BUILDERS if hasattr(ts_utils, n)), (None, None))
+  build = getattr(ts_utils, name) if name else None
   if build is not None and not getattr(build, "meshtrain_checksum", False):
     @functools.wraps(build)
     def with_checksum(*args, **kwargs):
       metadata = build(*args, **kwargs)
+      if "codecs" not in metadata:  # Zarr v2 (the older function builds both): no codec list to extend
+        return metadata
       codecs = chunk_codecs(metadata)
       zstd = next((c for c in codecs if c.get("name") == "zstd"), None)
       if zstd is not None:  # Orbax's Zarr v2 arrays used level 1; its v3 default, 3, costs more CPU
@@ -134,15 +149,13 @@ def enable_array_checksums() -> str | None:
         codecs.append({"name": "crc32c"})  # last: over the compressed bytes, as they are on disk
       return metadata
     with_checksum.meshtrain_checksum = True
-    ts_utils._build_zarr3_metadata = with_checksum
+    setattr(ts_utils, name, with_checksum)
   try:
-    built = ts_utils._build_zarr_shard_and_chunk_metadata(global_shape=(4,), shard_shape=(4,), use_zarr3=True,
-                                                          chunk_shape=(4,))[0]
-    kind = checksum_of(chunk_codecs(built))
+    kind = checksum_of(chunk_codecs(probe()))
   except Exception:
     kind = None
   if kind is None and jax.process_index() == 0:
     print(f"warning: checkpoint arrays are written without checksums: meshtrain could not add them to the Zarr v3 "
-          f"metadata of this Orbax ({ocp.__version__}; it hooks tensorstore_utils._build_zarr3_metadata). The meta "
-          "item is still checksummed", file=sys.stderr, flush=True)
+          f"metadata of this Orbax ({ocp.__version__}; it hooks tensorstore_utils."
+          f"{' or '.join(n for n, _ in BUILDERS)}). The meta item is still checksummed", file=sys.stderr, flush=True)
   return kind
