@@ -141,24 +141,30 @@ def test_prompt_buckets_pad_at_most_a_quarter_with_four_per_doubling():
 
 
 def test_decode_attends_over_the_slots_in_use_not_the_context(params):
-  """With a context of 300 (cache rows of 363 slots: 300 + the 63 a prompt of 257 pads), decode calls attend over
-  the first 128 slots while every busy row's slots fit in them, over the whole row after: the tokens are generate's,
-  alone and together, across the switch (a request of 150 tokens from a 32-slot prompt bucket passes slot 128)."""
+  """With a context of 300 (cache rows of 363 slots: 300 + the 63 a prompt of 257 pads), each decode call attends
+  over the fewest of 64, 96, 128, 192, 256 slots that hold every busy row's slots after it, or the whole row: the
+  tokens are generate's, alone and together, across every switch (a request of 250 tokens from a 16-slot prompt
+  bucket passes slot 256; one from a 160-slot bucket starts past 128). A span one step short of a row's reach
+  would change its tokens (its newest keys unread)."""
   gen = generator.Generator(params, MODEL, num_ids=MODEL.vocab_size, max_len=300)
   engine = engine_lib.Engine(gen, slots=2)
-  assert engine.attends == [128, 363]
-  spans = []
+  assert engine.attends == [64, 96, 128, 192, 256, 363]
+  plans = []
   run = engine._run
-  engine._run = lambda plan: (spans.append(engine_lib.Plan.parse(plan).attend), run(plan))[1]
-  # The first runs to its limit (no end token); the last's prompt of 150 tokens pads to a bucket of 160.
-  asks = [(PROMPTS[1], 150), (PROMPTS[3], 20), (PROMPTS[4], 60), (list(range(200, 350)), 12)]
+  engine._run = lambda plan: (plans.append(engine_lib.Plan.parse(plan)), run(plan))[1]
+  reaches = []
+  plan_ = engine._plan
+  engine._plan = lambda: (plan_(), reaches.append(max((r.slot_end for r in engine.active.values()), default=0)))[0]
+  # The first and third run to their limits (no end token); the last's prompt of 150 tokens pads to a bucket of 160.
+  asks = [(PROMPTS[4], 250), (PROMPTS[3], 20), (PROMPTS[1], 150), (list(range(200, 350)), 12)]
   want = [gen.generate([p], n).token_ids[0] for p, n in asks]
   requests = [engine_lib.Request(prompt_ids=p, max_tokens=n) for p, n in asks]
   run_staggered(engine, requests, every=2)
   assert [r.token_ids for r in requests] == want
-  spans = [n for n in spans if n]  # plans that decode
-  first = spans.index(363)  # the long request's row passes slot 128 (the others' end before it)
-  assert first >= 10 and set(spans[:first]) == {128}, spans
+  used = [(p.attend, reach) for p, reach in zip(plans, reaches) if p.decode]
+  # each span is the fewest that holds the busiest row's slots after the call (slot_end, counted after the call)
+  assert all(span == min(n for n in engine.attends if n >= reach) for span, reach in used), used
+  assert {span for span, _ in used} == set(engine.attends), used  # every span, the row included
 
 
 def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):

@@ -19,8 +19,8 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
   after that step's call is dispatched (the device computes it while the host hands out the last one's text), when
   every slot is busy or both calls take at most CALL_BUDGET_S, and no request leaves by its length in the last call
   or is cancelled (`Engine._ahead`); otherwise first. ONE program per call length and attention span: a call
-  attends over the cache's first `attend` slots (`Plan.attend`, the fewest of `Engine.attends`, 128, 256, ..., the
-  row, that hold every busy row's slots after it), not over rows the context long whatever the requests use.
+  attends over the cache's first `attend` slots (`Plan.attend`, the fewest of `Engine.attends`, 64, 96, 128, 192,
+  ..., the row, that hold every busy row's slots after it), not over rows the context long whatever the requests use.
 
 A slot is freed at its request's end-of-sequence token, max_tokens, the context, a stop string, or when the request
 is cancelled (the client went away). A request's token t is drawn with fold_in(key(seed), t) on its own row's
@@ -67,8 +67,11 @@ DECODE_CHUNK = 8
 # (benchmarks/2026-12-04-serve-6.md: at half the saturation rate the tiny model's p50 TTFT 9.6 -> 6.0 ms). With every
 # slot busy, a request could not join before a slot frees anyway: chunks, whatever they take.
 CALL_BUDGET_S = 0.005
-# The shortest attention span of a decode program (Engine.attends): the spans double from it up to the cache row.
-ATTEND_MIN = 128
+# The shortest attention span of a decode program (Engine.attends): the spans grow from it by 1.5x and 4/3 in turn
+# (64, 96, 128, 192, 256, ...: a call attends over at most 1.5x the slots it needs) up to the cache row. Against
+# doubling from 128, the tiny model's engine alone went from 0.80-0.83 to 0.84-0.90 of static batching, measured
+# side by side (benchmarks/2026-12-04-serve-7.md): on the CPU attention is about half a decode step at 128 slots.
+ATTEND_MIN = 64
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
 # CPU backend's collectives give a peer that is late only so long).
 IDLE_S = 0.5
@@ -233,8 +236,10 @@ class Engine:
     # pads, and the longest bucket fits too. No longer than that (not max_bucket + max_len: 1.8x the memory).
     self.cache_len = max(self.max_len + max(bucket(n) - n for n in range(1, self.max_len)), self.max_bucket)
     # The decode programs' attention spans (`Plan.attend`): each call attends over the fewest of these that holds
-    # every busy row's slots, not over the context: 128, 256, ... while at most half the row, then the row.
-    self.attends = [n for n in (ATTEND_MIN << i for i in range(32)) if 2 * n <= self.cache_len] + [self.cache_len]
+    # every busy row's slots, not over the context: 64, 96, 128, 192, ... while a quarter of the row or more is
+    # left out, then the row.
+    ladder = ((ATTEND_MIN << i) * (2 + j) // 2 for i in range(32) for j in (0, 1))  # 64, 96, 128, 192, ...
+    self.attends = [n for n in ladder if 4 * n <= 3 * self.cache_len] + [self.cache_len]
     self.max_queue = max_queue
     self.queue: collections.deque[Request] = collections.deque()
     self.active: dict[int, Request] = {}  # slot -> its request
