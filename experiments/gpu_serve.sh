@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The serving engine on one GPU (issue 27): llama1b's shapes with bf16 weights from one synthetic training step,
-# then experiments/serve_attend_bench.py (the engine alone against static batching through Generator.generate,
-# the engine's decode program alone, spans against the whole row). What ran on 2026-12-04
+# then experiments/decode_step_bench.py (a decode step of generate's loop against the engine's programs) and
+# experiments/serve_attend_bench.py (the engine alone against static batching through Generator.generate, the
+# engine's decode program alone, spans against the whole row). The first run, 2026-12-04, had only the last
 # (benchmarks/2026-12-04-gpu-h200.md).
 #
 #   experiments/gpu_serve.sh --wheels   # here, beforehand: tensorboardX, protobuf, ml_collections -> experiments/wheels
-#   device tool run: carry ["experiments/wheels"], command "experiments/gpu_serve.sh", timeout_s 300
-#   (SLOTS=32 ROUNDS=3 experiments/gpu_serve.sh: other settings; ~20 s to train, ~110 s per bench at 8 slots;
+#   device tool run: carry ["experiments/wheels"], command "experiments/gpu_serve.sh", timeout_s 420
+#   (SLOTS=32 ROUNDS=3 experiments/gpu_serve.sh: other settings; ~20 s to train, ~110 s for serve_attend_bench at
+#   8 slots, decode_step_bench not timed on a GPU yet: each at most 170 s;
 #   CONFIG=configs/tiny.py with a python3 of the GPU machine's packages first on PATH: the same steps on a CPU)
 #
 # The GPU machine lacks tensorboardX (the training metrics' writer) and matplotlib (the loss plot, drawn after the
@@ -33,6 +35,10 @@ if [[ ! -d $workdir/checkpoints/1 ]]; then
   exit 1
 fi
 slots=${SLOTS:-8}
+timeout 170 python3 experiments/decode_step_bench.py --workdir "$workdir" --slots "$slots" \
+  --out "$out/decode_step_slots$slots.json" >"$out/decode_step_slots$slots.log" 2>&1
+echo "decode_step_bench: rc $?"
+tail -1 "$out/decode_step_slots$slots.log"
 timeout 170 python3 experiments/serve_attend_bench.py --workdir "$workdir" --max-len 1024 --requests 64 \
   --max-tokens 64 --slots "$slots" --rounds "${ROUNDS:-2}" --out "$out/serve_attend_slots$slots.json" \
   >"$out/serve_slots$slots.log" 2>&1
