@@ -144,8 +144,8 @@ def test_decode_attends_over_the_slots_in_use_not_the_context(params):
   """With a context of 300 (cache rows of 363 slots: 300 + the 63 a prompt of 257 pads), each decode call attends
   over the fewest of 64, 96, 128, 192, 256 slots that hold every busy row's slots after it, or the whole row: the
   tokens are generate's, alone and together, across every switch (a request of 250 tokens from a 16-slot prompt
-  bucket passes slot 256; one from a 160-slot bucket starts past 128). A span one step short of a row's reach
-  would change its tokens (its newest keys unread)."""
+  bucket passes slot 256; one from a 160-slot bucket starts past 128). Spans chosen 4 slots short change the tokens
+  (checked: the row's newest keys go unread)."""
   gen = generator.Generator(params, MODEL, num_ids=MODEL.vocab_size, max_len=300)
   engine = engine_lib.Engine(gen, slots=2)
   assert engine.attends == [64, 96, 128, 192, 256, 363]

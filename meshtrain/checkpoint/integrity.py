@@ -109,10 +109,10 @@ def checksum_of(codecs: list) -> str | None:
   return None
 
 
-# Where Orbax builds an array's Zarr metadata (in tensorstore_utils), by version: 0.12.5 on, a private function for
-# Zarr v3 alone; 0.12.4 (what the GPU machine has) and before, one public function for v2 and v3, called by its
-# module-level name, so replacing the module attribute reaches every array. (function name, the probe that builds
-# the metadata of a small array and returns it)
+# Where Orbax builds an array's Zarr metadata (in tensorstore_utils), by version: 0.12.8 (the newest this was
+# checked on), a private function for Zarr v3 alone; 0.12.4 (what the GPU machine has), one public function for v2
+# and v3. Each is called by its module-level name, so replacing the module attribute reaches every array.
+# (function name, a probe that builds a small array's Zarr v3 metadata with it)
 BUILDERS = (
     ("_build_zarr3_metadata", lambda: ts_utils._build_zarr_shard_and_chunk_metadata(
         global_shape=(4,), shard_shape=(4,), use_zarr3=True, chunk_shape=(4,))[0]),
