@@ -1,7 +1,11 @@
 """The engine's decode over the cache slots in use against the whole row (issue 27): the server's engine alone
 (no HTTP) on a context longer than the requests use, every request at once, with the attention spans of
-`Engine.attends` and with the row only; static batching through `Generator.generate` as the reference. Rounds
-alternate the three (this machine's speed drifts between minutes); the median round's ratios are reported.
+`Engine.attends` and with the row only; static batching through `Generator.generate` as the reference; and the
+engine's decode program alone, called back to back with no host work between calls (what the program allows: the
+engine's gap below it is its scheduling). Rounds alternate them (this machine's speed drifts between minutes); the
+median round's ratios are reported. The tokens of the spans and the row are asserted equal on the CPU (bitwise
+there); elsewhere the count of requests with equal tokens is reported (on a GPU another attention shape can flip a
+near-tied bf16 argmax).
 
   python experiments/serve_attend_bench.py --workdir runs/bench_tiny --max-len 1024 [--requests 64]
       [--max-tokens 64] [--slots 8] [--rounds 3] [--out experiments/serve_attend_bench.json]
