@@ -6,9 +6,9 @@
 # (benchmarks/2026-12-04-gpu-h200.md).
 #
 #   experiments/gpu_serve.sh --wheels   # here, beforehand: tensorboardX, protobuf, ml_collections -> experiments/wheels
-#   device tool run: carry ["experiments/wheels"], command "experiments/gpu_serve.sh", timeout_s 420
+#   device tool run: carry ["experiments/wheels"], command "experiments/gpu_serve.sh", timeout_s 480
 #   (SLOTS=32 ROUNDS=3 experiments/gpu_serve.sh: other settings; ~20 s to train, ~110 s for serve_attend_bench at
-#   8 slots, decode_step_bench not timed on a GPU yet: each at most 170 s;
+#   8 slots with two engines (now three), decode_step_bench not timed on a GPU yet: at most 170 and 240 s;
 #   CONFIG=configs/tiny.py with a python3 of the GPU machine's packages first on PATH: the same steps on a CPU)
 #
 # The GPU machine lacks tensorboardX (the training metrics' writer) and matplotlib (the loss plot, drawn after the
@@ -39,7 +39,7 @@ timeout 170 python3 experiments/decode_step_bench.py --workdir "$workdir" --slot
   --out "$out/decode_step_slots$slots.json" >"$out/decode_step_slots$slots.log" 2>&1
 echo "decode_step_bench: rc $?"
 tail -1 "$out/decode_step_slots$slots.log"
-timeout 170 python3 experiments/serve_attend_bench.py --workdir "$workdir" --max-len 1024 --requests 64 \
+timeout 240 python3 experiments/serve_attend_bench.py --workdir "$workdir" --max-len 1024 --requests 64 \
   --max-tokens 64 --slots "$slots" --rounds "${ROUNDS:-2}" --out "$out/serve_attend_slots$slots.json" \
   >"$out/serve_slots$slots.log" 2>&1
 rc=$?

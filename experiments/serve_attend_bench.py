@@ -1,9 +1,10 @@
 """The engine's decode over the cache slots in use against the whole row (issue 27): the server's engine alone
 (no HTTP) on a context longer than the requests use, every request at once, with the attention spans of
-`Engine.attends` and with the row only; static batching through `Generator.generate` as the reference; and the
-engine's decode program alone, called back to back with no host work between calls (what the program allows: the
-engine's gap below it is its scheduling). Rounds alternate them (this machine's speed drifts between minutes); the
-median round's ratios are reported. The tokens of the spans and the row are asserted equal on the CPU (bitwise
+`Engine.attends` (64, 96, 128, 192, ...), with spans doubling from 128 (the engine's first ladder) and with the row
+only; static batching through `Generator.generate` as the reference; and the engine's decode program alone, called
+back to back with no host work between calls (what the program allows: the engine's gap below it is its
+scheduling). Rounds alternate them (this machine's speed drifts between minutes); the
+median round's ratios are reported. The tokens of the three engines are asserted equal on the CPU (bitwise
 there); elsewhere the count of requests with equal tokens is reported (on a GPU another attention shape can flip a
 near-tied bf16 argmax).
 
@@ -40,10 +41,11 @@ def main():
   from meshtrain.inference.generator import Generator, bucket
   prompts = make_prompts(args.requests)  # serve_bench.py's
   gen = Generator.from_workdir(args.workdir, max_len=args.max_len)
-  spans = Engine(gen, slots=args.slots, max_queue=len(prompts))
-  whole = Engine(gen, slots=args.slots, max_queue=len(prompts))
+  spans, doubling, whole = (Engine(gen, slots=args.slots, max_queue=len(prompts)) for _ in range(3))
+  # The engine's first spans doubled from 128 up to half the row (benchmarks/2026-12-04-serve-6.md).
+  doubling.attends = [n for n in (128 << i for i in range(32)) if 2 * n <= doubling.cache_len] + [doubling.cache_len]
   whole.attends = [whole.cache_len]  # every call over the whole row, as before the spans
-  for engine in (spans, whole):
+  for engine in (spans, doubling, whole):
     engine.warm(max(len(p) for p in prompts))
 
   def engine_alone(engine):
@@ -74,22 +76,24 @@ def main():
     tokens_KB.block_until_ready()
     return round(calls * spans.chunk * args.slots / (time.perf_counter() - t0), 1)
 
-  static(), engine_alone(spans), engine_alone(whole), program()  # every program run once
+  static(), engine_alone(spans), engine_alone(doubling), engine_alone(whole), program()  # every program run once
   rounds = []
   for _ in range(args.rounds):
-    (a, tokens_a), (b, tokens_b), s, d = engine_alone(spans), engine_alone(whole), static(), program()
-    same = sum(a_ == b_ for a_, b_ in zip(tokens_a, tokens_b))
+    (a, tokens_a), (c, tokens_c), (b, tokens_b) = engine_alone(spans), engine_alone(doubling), engine_alone(whole)
+    s, d = static(), program()
+    same = sum(a_ == b_ == c_ for a_, b_, c_ in zip(tokens_a, tokens_b, tokens_c))
     # Bitwise on the CPU (float32, tested); on a GPU the sliced attention is another kernel shape, whose bf16
     # rounding can flip a near-tied greedy choice, so there the share of identical requests is reported.
     assert same == len(prompts) or jax.default_backend() != "cpu", "the spans changed a token"
-    rounds.append({"spans_tokens_per_s": a, "whole_row_tokens_per_s": b, "static_tokens_per_s": s,
-                   "spans_vs_whole_row": round(a / b, 3), "spans_vs_static": round(a / s, 3),
-                   "whole_row_vs_static": round(b / s, 3), "requests_with_equal_tokens": same,
+    rounds.append({"spans_tokens_per_s": a, "doubling_tokens_per_s": c, "whole_row_tokens_per_s": b,
+                   "static_tokens_per_s": s, "spans_vs_whole_row": round(a / b, 3), "spans_vs_static": round(a / s, 3),
+                   "doubling_vs_static": round(c / s, 3), "whole_row_vs_static": round(b / s, 3),
+                   "requests_with_equal_tokens": same,
                    "decode_program_tokens_per_s": d, "decode_program_vs_static": round(d / s, 3)})
     print(rounds[-1], flush=True)
   median = sorted(rounds, key=lambda r: r["spans_vs_whole_row"])[len(rounds) // 2]
-  out = {"device": jax.devices()[0].device_kind, "max_len": args.max_len,
-         "cache_len": spans.cache_len, "attends": spans.attends, "slots": spans.slots,
+  out = {"device": jax.devices()[0].device_kind, "max_len": args.max_len, "cache_len": spans.cache_len,
+         "attends": spans.attends, "doubling_attends": doubling.attends, "slots": spans.slots,
          "requests": args.requests, "max_tokens": args.max_tokens, "rounds": rounds, "median": median}
   pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
   print(json.dumps(out["median"]))

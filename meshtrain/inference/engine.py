@@ -69,7 +69,7 @@ DECODE_CHUNK = 8
 CALL_BUDGET_S = 0.005
 # The shortest attention span of a decode program (Engine.attends): the spans grow from it by 1.5x and 4/3 in turn
 # (64, 96, 128, 192, 256, ...: a call attends over at most 1.5x the slots it needs) up to the cache row. Against
-# doubling from 128, the tiny model's engine alone went from 0.80-0.83 to 0.84-0.90 of static batching, measured
+# doubling from 128, the tiny model's engine alone went from 0.78-0.85 to 0.84-0.90 of static batching, measured
 # side by side (benchmarks/2026-12-04-serve-7.md): on the CPU attention is about half a decode step at 128 slots.
 ATTEND_MIN = 64
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
