@@ -55,7 +55,7 @@ def main():
 
   def program_ms(engine, steps):
     span = next(n for n in engine.attends if n >= bucket(len(prompts[0])) + args.steps)
-    call = engine._decode(steps, span)
+    call = engine._decode(steps, span, engine.slots)
 
     def run():
       engine.state, tokens_KB = call(engine.params, engine.state)

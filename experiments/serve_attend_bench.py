@@ -68,7 +68,7 @@ def main():
     the engine runs, no prefills): tokens/s the decode program allows. Below static batching, the gap is in the
     program (per-row cache writes, per-row sampling); between it and the engine's, in the host's scheduling."""
     reach = max(bucket(len(p)) for p in prompts) + args.max_tokens
-    call = spans._decode(spans.chunk, next(n for n in spans.attends if n >= reach))
+    call = spans._decode(spans.chunk, next(n for n in spans.attends if n >= reach), spans.slots)
     calls = -(-len(prompts) // args.slots) * -(-args.max_tokens // spans.chunk)
     t0 = time.perf_counter()
     for _ in range(calls):

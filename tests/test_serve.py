@@ -167,6 +167,37 @@ def test_decode_attends_over_the_slots_in_use_not_the_context(params):
   assert {span for span, _ in used} == set(engine.attends), used  # every span, the row included
 
 
+def test_decode_runs_the_busy_rows_not_every_slot(gen, expected):
+  """With 8 slots each decode call decodes the first 2, 4 or 8 rows: the fewest that hold every busy slot (requests
+  take the lowest free ones), so a request alone steps 2 rows, not 8. The tokens are generate's across every switch,
+  the rows beyond a call's untouched by it (checked: the rows' new keys written into each other's rows change the
+  first request's tokens; a count one short of the busiest slot leaves that slot without tokens)."""
+  engine = engine_lib.Engine(gen, slots=8, chunk=1)
+  assert engine.row_counts == [2, 4, 8]
+  plans, busiest = [], []
+  run = engine._run
+  engine._run = lambda plan: (plans.append(engine_lib.Plan.parse(plan)), busiest.append(max(engine.active, default=-1)),
+                              run(plan))[2]
+  # One request, then two more (slots 0-2 busy), then five (every slot), each wave joining after two steps.
+  waves, requests = [[0], [4, 1], [0, 4, 1, 3, 4]], []
+  for wave in waves:
+    requests += [engine.submit(greedy(i)) for i in wave]
+    for _ in range(2):
+      engine.step()
+  assert len(engine.active) == 8
+  while any(not r.done for r in requests):
+    engine.step()
+  assert [r.token_ids for r in requests] == [expected[i] for wave in waves for i in wave]
+  used = [(p.rows, top) for p, top in zip(plans, busiest) if p.decode]
+  assert all(rows == min(n for n in engine.row_counts if n > top) for rows, top in used), used
+  assert {rows for rows, _ in used} == {2, 4, 8}, used
+  # A request alone again, after the others left: the lowest slot, two rows.
+  request = engine.submit(greedy(1))
+  while not request.done:
+    engine.step()
+  assert request.token_ids == expected[1] and {p.rows for p in plans[-len(expected[1]):] if p.decode} == {2}
+
+
 def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
   """warm() compiles and runs each prefill and decode program before any request (a first run costs more than the
   next: it would land in the first requests' latency); what it computes lands in no slot a request gets."""
@@ -174,7 +205,7 @@ def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
   before = engine.steps
   engine.warm(16)
   assert set(engine.prefills) == {(16, 1), (16, 2)}
-  assert int(engine.state["t_B"][0]) == sum(k for k, _ in engine.decodes)  # each decode program ran (every slot)
+  assert int(engine.state["t_B"][0]) == sum(k for k, *_ in engine.decodes)  # each decode program ran (every slot)
   requests = [greedy(0), greedy(4)]
   engine.submit(*requests)
   while not all(r.done for r in requests):

@@ -18,9 +18,12 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
   most CALL_BUDGET_S (by the measured step time), else one step. A call's tokens are read on the next engine step,
   after that step's call is dispatched (the device computes it while the host hands out the last one's text), when
   every slot is busy or both calls take at most CALL_BUDGET_S, and no request leaves by its length in the last call
-  or is cancelled (`Engine._ahead`); otherwise first. ONE program per call length and attention span: a call
-  attends over the cache's first `attend` slots (`Plan.attend`, the fewest of `Engine.attends`, 64, 96, 128, 192,
-  ..., the row, that hold every busy row's slots after it), not over rows the context long whatever the requests use.
+  or is cancelled (`Engine._ahead`); otherwise first. ONE program per call length, attention span and row count:
+  a call attends over the cache's first `attend` slots (`Plan.attend`, the fewest of `Engine.attends`, 64, 96, 128,
+  192, ..., the row, that hold every busy row's slots after it), not over rows the context long whatever the
+  requests use, and decodes the cache's first `rows` rows (`Plan.rows`, the fewest of `Engine.row_counts`, a
+  quarter, half or all of the slots, that hold every busy slot: requests take the lowest free slots), not every
+  slot whatever the load.
 
 A slot is freed at its request's end-of-sequence token, max_tokens, the context, a stop string, or when the request
 is cancelled (the client went away). A request's token t is drawn with fold_in(key(seed), t) on its own row's
@@ -72,6 +75,11 @@ CALL_BUDGET_S = 0.005
 # doubling from 128, the tiny model's engine alone went from 0.78-0.85 to 0.84-0.90 of static batching, measured
 # side by side (benchmarks/2026-12-04-serve-7.md): on the CPU attention is about half a decode step at 128 slots.
 ATTEND_MIN = 64
+# The decode programs' row counts (Engine.row_counts) are the slots divided by these: with few requests in flight a
+# step decodes the busy rows only (the tiny model's step on the CPU: 0.82 ms over 2 rows, 1.05 over 4, 1.2-1.3 over
+# 8, 1.6-1.8 over 16, 2.7-3.0 over 32), so more slots cost nothing until requests use them. Not finer: each count
+# multiplies the decode programs compiled (steps x spans x rows); one row measured 0.74 ms against two rows' 0.82.
+ROW_DIVISORS = (4, 2, 1)
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
 # CPU backend's collectives give a peer that is late only so long).
 IDLE_S = 0.5
@@ -161,9 +169,9 @@ def key_data(seed):
 
 
 class DecodeCall(typing.NamedTuple):
-  """A decode call dispatched on process 0 and not yet read: its tokens [steps, slots] (on the device), the
+  """A decode call dispatched on process 0 and not yet read: its tokens [steps, rows] (on the device), the
   requests that held its slots when it was dispatched, its steps, and when it was dispatched."""
-  tokens_KB: object
+  tokens_KR: object
   active: dict
   steps: int
   dispatched_at: float
@@ -178,11 +186,13 @@ class Plan:
   prompts: list = dataclasses.field(default_factory=list)   # (slot, (ids, seed, temperature, top_p, top_k))
   decode: int = 0
   attend: int = 0   # the cache slots the decode steps attend over (a program of Engine.attends)
+  rows: int = 0     # the slots the decode steps decode: the first `rows` (a program of Engine.row_counts)
   stop: bool = False
 
   def encode(self) -> np.ndarray:
     as_int = lambda x: int(np.float32(x).view(np.int32))
-    out = [int(self.stop), -1 if self.swap is None else self.swap, self.decode, self.attend, len(self.admit)]
+    out = [int(self.stop), -1 if self.swap is None else self.swap, self.decode, self.attend, self.rows,
+           len(self.admit)]
     for slot, r in self.admit:  # the seed (any 64-bit integer) as its low and high 32 bits
       low, high = np.asarray(r.seed & 0xFFFFFFFF, np.uint32).view(np.int32), r.seed >> 32
       out += [slot, low, high, as_int(r.temperature), as_int(r.top_p), r.top_k, len(r.prompt_ids), *r.prompt_ids]
@@ -192,9 +202,9 @@ class Plan:
   def parse(cls, x: np.ndarray) -> "Plan":
     x = [int(v) for v in x]
     as_float = lambda i: float(np.int32(i).view(np.float32))
-    plan = cls(stop=bool(x[0]), swap=None if x[1] < 0 else x[1], decode=x[2], attend=x[3])
-    at = 5
-    for _ in range(x[4]):
+    plan = cls(stop=bool(x[0]), swap=None if x[1] < 0 else x[1], decode=x[2], attend=x[3], rows=x[4])
+    at = 6
+    for _ in range(x[5]):
       slot, low, high, temp, top_p, top_k, n = x[at:at + 7]
       seed = (high << 32) | (low & 0xFFFFFFFF)
       plan.prompts.append((slot, (x[at + 7:at + 7 + n], seed, as_float(temp), as_float(top_p), top_k)))
@@ -240,6 +250,10 @@ class Engine:
     # left out, then the row.
     ladder = ((ATTEND_MIN << i) * (2 + j) // 2 for i in range(32) for j in (0, 1))  # 64, 96, 128, 192, ...
     self.attends = [n for n in ladder if 4 * n <= 3 * self.cache_len] + [self.cache_len]
+    # The decode programs' row counts (`Plan.rows`): a quarter, half or all of the slots. All of them only with the
+    # slots split over devices (batch_ways > 1): the first rows would sit on some devices, the others idle.
+    ways = generator.batch_ways
+    self.row_counts = sorted({-(-self.slots // d) for d in ROW_DIVISORS}) if ways == 1 else [self.slots]
     self.max_queue = max_queue
     self.queue: collections.deque[Request] = collections.deque()
     self.active: dict[int, Request] = {}  # slot -> its request
@@ -286,32 +300,39 @@ class Engine:
       token_B = sample_rows(logits_B1V[:, 0], keys_B, state["temp_B"], state["top_p_B"], state["top_k_B"], g.num_ids)
       return {**state, "cache": cache.replace(attend=0), "token_B": token_B, "t_B": state["t_B"] + 1}, token_B
 
-    def decode_steps(params, state, steps, attend):
-      """`steps` decode steps in one device call, attending over the cache's first `attend` slots: tokens
-      [steps, B]."""
-      return jax.lax.scan(lambda s, _: decode(params, s, attend), state, None, length=steps)
+    def decode_steps(params, state, steps, attend, rows):
+      """`steps` decode steps in one device call of the first `rows` slots, attending over the cache's first
+      `attend` slots: tokens [steps, rows]. The cache's arrays pass whole (the model writes into their first rows:
+      llama.write_slots), the rows' start, end, tokens and sampling settings as the first `rows` of each."""
+      cache = state["cache"]
+      head = {k: v[:rows] for k, v in state.items() if k != "cache"}
+      head["cache"] = cache.replace(start_B=cache.start_B[:rows], end=cache.end[:rows])
+      head, tokens_KR = jax.lax.scan(lambda s, _: decode(params, s, attend), head, None, length=steps)
+      merged = {k: state[k].at[:rows].set(v) for k, v in head.items() if k != "cache"}
+      merged["cache"] = head["cache"].replace(start_B=cache.start_B, end=cache.end.at[:rows].set(head["cache"].end))
+      return merged, tokens_KR
 
     self._decode_steps = decode_steps
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
       init_c = jax.jit(init).lower().compile()
       self.state_shardings = init_c.output_shardings
       self.state = init_c()
-    self.decodes = {}  # (steps, attend) -> compiled decode steps
+    self.decodes = {}  # (steps, attend, rows) -> compiled decode steps
 
-  def _decode(self, steps: int, attend: int):
-    """The compiled `steps` decode steps over the cache's first `attend` slots (compiled on first use, as
-    `_prefill`)."""
+  def _decode(self, steps: int, attend: int, rows: int):
+    """The compiled `steps` decode steps of the first `rows` slots over the cache's first `attend` slots (compiled
+    on first use, as `_prefill`)."""
     import flax.linen as nn  # after runtime.start (module docstring)
     import jax
-    if (steps, attend) not in self.decodes:
+    if (steps, attend, rows) not in self.decodes:
       g = self.gen
       with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
-        self.decodes[steps, attend] = jax.jit(
-            self._decode_steps, static_argnums=(2, 3), donate_argnums=1,
+        self.decodes[steps, attend, rows] = jax.jit(
+            self._decode_steps, static_argnums=(2, 3, 4), donate_argnums=1,
             out_shardings=(self.state_shardings, self.replicated)).lower(
-                self._abstract(g.params), self._abstract(self.state), steps, attend).compile()
+                self._abstract(g.params), self._abstract(self.state), steps, attend, rows).compile()
       runtime.barrier("serving's first run of a compiled decode", g.barrier_timeout_s)
-    return self.decodes[steps, attend]
+    return self.decodes[steps, attend, rows]
 
   @staticmethod
   def _abstract(tree):
@@ -378,8 +399,9 @@ class Engine:
         self._prefill_rows(P, [], R)
     for k in sorted({1, self.chunk}):
       for attend in self.attends:
-        self.state, tokens_KB = self._decode(k, attend)(self.params, self.state)
-        np.asarray(tokens_KB)
+        for rows in self.row_counts:
+          self.state, tokens_KR = self._decode(k, attend, rows)(self.params, self.state)
+          np.asarray(tokens_KR)
 
   # --- requests ---
 
@@ -523,6 +545,7 @@ class Engine:
       # end, which nothing reads; past the cache only beyond its limit: the context's S).
       reach = max(r.slot_end for r in self.active.values()) + plan.decode
       plan.attend = next((n for n in self.attends if n >= reach), self.cache_len)
+      plan.rows = next(n for n in self.row_counts if n > max(self.active))  # the busy slots (lowest first: above)
       for r in self.active.values():
         r.slot_end += plan.decode
     return plan.encode()
@@ -545,14 +568,14 @@ class Engine:
 
   def _read(self, call: DecodeCall) -> None:
     """Reads a decode call's tokens (waiting for the device) and gives each request still in its slot its own."""
-    tokens_BK = np.asarray(call.tokens_KB).T
+    tokens_RK = np.asarray(call.tokens_KR).T
     # The call ran from its dispatch, or from the end of the one before it (read here last) if that was later.
     now = time.perf_counter()
     took = (now - max(call.dispatched_at, self.read_at)) / call.steps
     self.step_s, self.read_at = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took, now
     for slot, request in call.active.items():
       if self.active.get(slot) is request:  # not finished (by an earlier call's tokens) or cancelled since
-        self._take(slot, request, tokens_BK[slot].tolist())
+        self._take(slot, request, tokens_RK[slot].tolist())
 
   def _run(self, encoded: np.ndarray) -> bool:
     """Runs a plan (every process); process 0 takes the new tokens."""
@@ -575,10 +598,11 @@ class Engine:
           request.step = self.step_served
           self._take(slot, request, [int(token)])
     if plan.decode:
-      self.state, tokens_KB = self._decode(plan.decode, plan.attend)(self.params, self.state)  # not waited for
+      decode = self._decode(plan.decode, plan.attend, plan.rows)
+      self.state, tokens_KR = decode(self.params, self.state)  # not waited for
       self.steps += plan.decode
       if self.leader:
-        earlier, self.pending = self.pending, DecodeCall(tokens_KB, dict(self.active), plan.decode,
+        earlier, self.pending = self.pending, DecodeCall(tokens_KR, dict(self.active), plan.decode,
                                                          time.perf_counter())
         if earlier is not None:  # this call was dispatched ahead of reading the last one (`_ahead`): read it now
           self._read(earlier)

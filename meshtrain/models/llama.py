@@ -206,7 +206,8 @@ class KVCache:
   in the weights), a tuple of per-layer arrays for unrolled layers (each updated in place, never restacked).
   `attend` > 0 (static: part of the compiled program): the new tokens attend over slots [0, attend) only, which the
   caller guarantees hold every slot they see (a serving engine whose rows are the context long, most of them unused:
-  attention reads attend slots, not S)."""
+  attention reads attend slots, not S). start_B and end of R < B rows (end [R]): the tokens are those of the
+  first R rows only, which alone are read and written (a serving engine decoding its busy slots, not all of them)."""
   k_NBKSE: jax.Array | tuple
   v_NBKSE: jax.Array | tuple
   start_B: jax.Array  # int32 [B]
@@ -235,9 +236,14 @@ def init_cache(c: ModelConfig, batch: int, length: int, start_B) -> KVCache:
 
 def write_slots(cache_BKSE, new_BKLE, end):
   """The cache with new_BKLE written at slots end..end+L-1: one slot `end` for every row (a scalar), or each row's
-  own (end [B], a batched dynamic_update_slice: a scatter)."""
+  own (end [B], a batched dynamic_update_slice: a scatter); end [R] with R < B: into the first R rows (a scatter
+  into the whole buffer, which stays in place; not a slice of the rows, written back: a copy of them per call)."""
   if jnp.ndim(end) == 0:
     return jax.lax.dynamic_update_slice(cache_BKSE, new_BKLE, (0, 0, end, 0))
+  if end.shape[0] < cache_BKSE.shape[0]:
+    R, L = end.shape[0], new_BKLE.shape[2]
+    slot_RL = end[:, None] + jnp.arange(L, dtype=end.dtype)
+    return cache_BKSE.at[jnp.arange(R)[:, None], :, slot_RL].set(new_BKLE.transpose(0, 2, 1, 3))  # [R, L, K, E]
   return jax.vmap(lambda c_KSE, n_KLE, e: jax.lax.dynamic_update_slice(c_KSE, n_KLE, (0, e, 0)))(
       cache_BKSE, new_BKLE, end)
 
@@ -290,8 +296,8 @@ class Attention(nn.Module):
       write = lambda cache_BKSE, new_BLKE: nn.with_logical_constraint(write_slots(
           cache_BKSE, new_BLKE.transpose(0, 2, 1, 3).astype(cache_BKSE.dtype), end), CACHE_AXES[1:])
       k_BKSE, v_BKSE = write(k_BKSE, k_BLKE), write(v_BKSE, v_BLKE)
-      seen = slice(None, attend or None)  # a static prefix: XLA reads only those slots
-      o_BLHE = attention.cached_attention(q_BLHE, k_BKSE[:, :, seen], v_BKSE[:, :, seen], start_B, end,
+      rows, seen = slice(None, start_B.shape[0]), slice(None, attend or None)  # static prefixes: XLA reads only those
+      o_BLHE = attention.cached_attention(q_BLHE, k_BKSE[rows, :, seen], v_BKSE[rows, :, seen], start_B, end,
                                           c.sliding_window)
       o_BLHE = nn.with_logical_constraint(o_BLHE, ("act_batch", "act_len", "act_heads", "act_head_dim"))
       return c.products(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BKSE, v_BKSE)
