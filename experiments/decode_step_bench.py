@@ -1,7 +1,8 @@
 """What a decode step costs, program by program (issue 27): `Generator.generate`'s while loop against the serving
 engine's decode program (a chunk of steps, and single steps), and the engine's program with its per-row sampling
 replaced by an argmax (what the `lax.cond` around the draw and the top-k/top-p sort costs: on a GPU a conditional
-may read its predicate back to the host every step). Each timed back to back on the device, no host work between
+may read its predicate back to the host every step), and single steps of fewer rows (the engine's row counts: what
+a step costs with fewer requests in flight). Each timed back to back on the device, no host work between
 calls; one process, every program compiled before it is timed. On the CPU it says whether the engine's gap to
 static batching is in its program or between calls; the GPU call (`experiments/gpu_serve.sh`) runs it too.
 
@@ -53,9 +54,9 @@ def main():
   many = best(lambda: gen.generate(prompts, args.steps + 1, stop_at_eos=False), 3)
   results = {"generator_loop_ms": (many - one) / args.steps * 1e3}
 
-  def program_ms(engine, steps):
+  def program_ms(engine, steps, rows=None):
     span = next(n for n in engine.attends if n >= bucket(len(prompts[0])) + args.steps)
-    call = engine._decode(steps, span, engine.slots)
+    call = engine._decode(steps, span, rows or engine.slots)
 
     def run():
       engine.state, tokens_KB = call(engine.params, engine.state)
@@ -70,6 +71,9 @@ def main():
   engine = engine_lib.Engine(gen, slots=args.slots)
   results["engine_chunk_ms"], span = program_ms(engine, engine.chunk)
   results["engine_single_step_ms"], _ = program_ms(engine, 1)
+  # What a step costs with fewer requests in flight: single steps of the first `rows` slots (Engine.row_counts).
+  for rows in engine.row_counts[:-1]:
+    results[f"engine_single_step_{rows}_rows_ms"], _ = program_ms(engine, 1, rows)
   sample_rows = engine_lib.sample_rows
   try:  # the same program with an argmax for its sampling (read when the program is traced)
     engine_lib.sample_rows = lambda logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: jnp.argmax(
