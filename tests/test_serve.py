@@ -167,11 +167,15 @@ def test_decode_attends_over_the_slots_in_use_not_the_context(params):
   assert {span for span, _ in used} == set(engine.attends), used  # every span, the row included
 
 
-def test_decode_runs_the_busy_rows_not_every_slot(gen, expected):
+@pytest.mark.parametrize("tensor", [False, True])
+def test_decode_runs_the_busy_rows_not_every_slot(params, gen, expected, tensor):
   """With 8 slots each decode call decodes the first 2, 4 or 8 rows: the fewest that hold every busy slot (requests
   take the lowest free ones), so a request alone steps 2 rows, not 8. The tokens are generate's across every switch,
   the rows beyond a call's untouched by it (checked: the rows' new keys written into each other's rows change the
-  first request's tokens; a count one short of the busiest slot leaves that slot without tokens)."""
+  first request's tokens; a count one short of the busiest slot leaves that slot without tokens). Also with the
+  slots whole on every device (tensor=8, the kv heads split; scanned layers: one stacked cache)."""
+  if tensor:
+    gen = make_generator(params, mesh_lib.make_mesh({"data": 1, "tensor": 8}), sharding.rules_for("tp"), True)
   engine = engine_lib.Engine(gen, slots=8, chunk=1)
   assert engine.row_counts == [2, 4, 8]
   plans, busiest = [], []
