@@ -46,6 +46,10 @@ def main():
   doubling.attends = [n for n in (128 << i for i in range(32)) if 2 * n <= doubling.cache_len] + [doubling.cache_len]
   whole.attends = [whole.cache_len]  # every call over the whole row, as before the spans
   for engine in (spans, doubling, whole):
+    # The spans compared on the same rows: every call decodes all the slots (as before Engine.row_counts; the busy
+    # rows are measured by serve_bench.py and decode_step_bench.py): a third of the programs to compile, which on a
+    # GPU is most of this script's time.
+    engine.row_counts = [engine.slots]
     engine.warm(max(len(p) for p in prompts))
 
   def engine_alone(engine):
