@@ -11,7 +11,9 @@ attends over its slots' whole cache rows, context long.
 
 Per request: TTFT (send to first token), TPOT ((last - first) / (tokens - 1)), ITL (every gap between streamed
 chunks), e2e (send to last token); per run: p50 and p99 of each, requests/s and output tokens/s over the run's wall
-time. The server runs in a subprocess (`python -m meshtrain.serve --port 0`); the requests are streamed
+time; and where the mean TTFT went, from the server's metrics: waiting for a decode slot or the engine step in
+progress, the prefill (with the device calls in flight before it), and outside the engine (client, HTTP, event
+loop). The server runs in a subprocess (`python -m meshtrain.serve --port 0`); the requests are streamed
 completions (HTTP as vLLM's benchmark sends them, one thread and connection each), greedy, with prompts of 4-40
 random byte ids. Run it on an otherwise idle machine: the client shares the cores with the server (each load
 reports the CPU seconds of both). One at a time: 16 requests, the speedup of 8 at once taken against the first 8
@@ -97,23 +99,36 @@ def cpu_s(pid: int) -> float:
   return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def queue_times(url) -> np.ndarray:
-  """The server's queue-time histogram (submit to a decode slot, `/metrics`): [requests within 10 ms, requests,
-  seconds in all]."""
+def server_times(url) -> np.ndarray:
+  """From the server's metrics (`/metrics`): [requests that got a decode slot within 10 ms, requests, seconds from
+  submission to a slot in all, seconds from submission to the first token in all]."""
   text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=60).read().decode()
-  name = "meshtrain_serve_request_queue_time_seconds"
+  queue, ttft = "meshtrain_serve_request_queue_time_seconds", "meshtrain_serve_time_to_first_token_seconds"
   find = lambda pattern: float(re.search(pattern, text).group(1))
-  return np.array([find(name + r'_bucket\{le="0\.01"\} (\S+)'), find(name + r"_count (\S+)"),
-                   find(name + r"_sum (\S+)")])
+  return np.array([find(queue + r'_bucket\{le="0\.01"\} (\S+)'), find(queue + r"_count (\S+)"),
+                   find(queue + r"_sum (\S+)"), find(ttft + r"_sum (\S+)")])
+
+
+def ttft_split(before: np.ndarray, after: np.ndarray, results: list) -> dict:
+  """Where the mean TTFT of a load went, from the server's metrics between two reads and the client's times:
+  waiting for a decode slot or for the engine step in progress (submission to a slot), the prefill (a slot to the
+  first token: the device calls in flight before it, then its own), and the rest outside the engine (the client's
+  send, HTTP and the handler before submission, the first token's way back through the event loop)."""
+  within, count, queued_s, ttft_s = after - before
+  engine = ttft_s / count
+  return {"queued_over_10ms_share": round(float(1 - within / count), 4),
+          "queue_s_mean": round(float(queued_s / count), 5),
+          "prefill_s_mean": round(float(engine - queued_s / count), 5),
+          "outside_engine_s_mean": round(float(np.mean([r["ttft"] for r in results]) - engine), 5)}
 
 
 def server_run(url, prompts, max_tokens, rate, server_pid):
   """Requests sent with Poisson arrivals at `rate` per second (inf: all at once). Also the CPU seconds the server
   process and this one (the clients) used meanwhile (both share the machine's cores), and from the server's metrics
-  the share of requests that waited more than 10 ms for a decode slot and the mean wait."""
+  the share of requests that waited more than 10 ms for a decode slot and where their mean TTFT went (ttft_split)."""
   rng = np.random.default_rng(1)
   gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
-  queued0 = queue_times(url)
+  times0 = server_times(url)
   cpu0 = cpu_s(server_pid), cpu_s(os.getpid())
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -125,9 +140,7 @@ def server_run(url, prompts, max_tokens, rate, server_pid):
   out = summary(results, time.perf_counter() - t0)
   out["server_cpu_s"], out["client_cpu_s"] = (round(cpu_s(pid) - was, 3)
                                               for pid, was in zip((server_pid, os.getpid()), cpu0))
-  within, count, seconds = queue_times(url) - queued0
-  out["queued_over_10ms_share"] = round(float(1 - within / count), 4)
-  out["queue_s_mean"] = round(float(seconds / count), 5)
+  out.update(ttft_split(times0, server_times(url), results))
   return out
 
 
@@ -232,9 +245,9 @@ def main():
   proc, url = start_server(args.workdir, args.slots, args.max_len)
   try:
     one(url, prompts[0], 4)  # warm-up
-    t0 = time.perf_counter()
+    t0, times0 = time.perf_counter(), server_times(url)
     alone = [one(url, ids, args.max_tokens) for ids in prompts[:16]]
-    results["one_at_a_time"] = summary(alone, time.perf_counter() - t0)
+    results["one_at_a_time"] = summary(alone, time.perf_counter() - t0) | ttft_split(times0, server_times(url), alone)
     results["eight_one_at_a_time_s"] = round(sum(r["e2e"] for r in alone[:8]), 4)  # the 8 sent at once below
     results["eight_concurrent"] = server_run(url, prompts[:8], args.max_tokens, float("inf"), proc.pid)
     # Saturation, static batching and the engine alone in turn, `rounds` times: this machine's speed drifts by up
