@@ -2,7 +2,7 @@
 
   python -m meshtrain.serve --workdir W [--step N | --follow-s 10] [--port 8000] [--host 127.0.0.1] [--slots 8]
       [--max-queue 64] [--api-key KEY] [--grace-s 30] [--max-len N] [--warm]
-      [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N]
+      [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N --config.model.dtype=float32]
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),
 GET /health, GET /metrics. The engine (meshtrain/inference/engine.py) decodes `--slots` requests at once on the mesh
@@ -68,7 +68,21 @@ def parse_args(argv: list[str]):
   return args, cfg, workdir, step
 
 
+def cpu_dtype_note(platform: str, dtype) -> str | None:
+  """A start-up note when bfloat16 is served on the CPU. Each decode step writes every slot's new keys and values at
+  the slot's own position (a scatter); XLA's CPU backend has no bfloat16 scatter and converts each layer's whole
+  cache to float32 and back around it: a bfloat16 run's decode step took 3.8-4.0 ms against 1.1 ms in float32 and
+  0.9 ms in float16 (tiny model, 8 slots, context 1,024; benchmarks/2026-12-05-serve-10.md). Generate's loop
+  writes every row at one position (no scatter)."""
+  import jax.numpy as jnp
+  if platform != "cpu" or jnp.dtype(dtype) != jnp.bfloat16:
+    return None
+  return ("note: serving in bfloat16 on the CPU, where XLA converts the KV cache to float32 and back around each "
+          "decode step's write; --config.model.dtype=float32 avoids it (a step 3.6x faster at a context of 1,024)")
+
+
 def language_engine(workdir, cfg, args):
+  import jax
   from meshtrain import mesh as mesh_lib, sharding
   from meshtrain.inference.engine import Engine
   from meshtrain.inference.generator import Generator
@@ -76,6 +90,8 @@ def language_engine(workdir, cfg, args):
   generator = Generator.from_workdir(workdir, args.step, mesh=mesh_lib.make_mesh(cfg.mesh),
                                      rules=sharding.rules_for(cfg.sharding.rules), max_len=args.max_len,
                                      dtype=args.dtype)
+  if (note := cpu_dtype_note(jax.default_backend(), generator.model_cfg.dtype)) and jax.process_index() == 0:
+    print(note, file=sys.stderr, flush=True)
   step = generator.step
   live = LiveCheckpoints(workdir, step, args.follow_s) if args.step is None and args.follow_s > 0 else None
   engine = Engine(generator, slots=args.slots, max_queue=args.max_queue, step=step, live=live)

@@ -462,6 +462,13 @@ def test_bad_arguments_exit_2_before_jax(workdir, tmp_path):
   assert proc.returncode == 2 and "no such directory" in proc.stderr
 
 
+def test_bfloat16_on_the_cpu_gets_a_note():
+  from meshtrain.serve import cpu_dtype_note
+  note = cpu_dtype_note("cpu", "bfloat16")
+  assert "bfloat16" in note and "--config.model.dtype=float32" in note
+  assert all(cpu_dtype_note(p, d) is None for p, d in [("cpu", "float32"), ("cpu", "float16"), ("gpu", "bfloat16")])
+
+
 def test_api_key_and_sigterm_drain(workdir):
   proc, url = start_server(workdir, "--slots", "2", "--api-key", "sesame", "--grace-s", "60")
   try:
