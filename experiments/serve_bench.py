@@ -4,10 +4,12 @@ batches through generate.Generator (the ceiling), (c) the server with 8 requests
 plot of throughput against latency. Also (d) the server's engine alone (no HTTP, no client), all requests at once.
 
   python experiments/serve_bench.py --workdir runs/tiny [--requests 64] [--poisson-requests N] [--max-tokens 64]
-      [--slots 8] [--max-len N] [--out experiments/serve_bench.json] [--plot docs/images/serve_bench.png]
+      [--slots 8] [--max-len N] [--dtype float32] [--out experiments/serve_bench.json]
+      [--plot docs/images/serve_bench.png]
 
 `--max-len` serves a context shorter than the run's (the server's and the engine's `--max-len`): every decode step
-attends over its slots' whole cache rows, context long.
+attends over its slots' whole cache rows, context long. `--dtype` replaces the run's compute dtype in the server
+(`--config.model.dtype`) and the references alike (a bfloat16 run on the CPU: docs/serving.md).
 
 Per request: TTFT (send to first token), TPOT ((last - first) / (tokens - 1)), ITL (every gap between streamed
 chunks), e2e (send to last token); per run: p50 and p99 of each, requests/s and output tokens/s over the run's wall
@@ -43,10 +45,11 @@ def make_prompts(count: int) -> list[list[int]]:
   return [rng.integers(32, 127, int(n)).tolist() for n in rng.integers(4, 41, count)]
 
 
-def start_server(workdir: str, slots: int, max_len: int | None = None):
+def start_server(workdir: str, slots: int, max_len: int | None = None, dtype: str | None = None):
   proc = subprocess.Popen([sys.executable, "-m", "meshtrain.serve", "--workdir", workdir, "--port", "0", "--slots",
                            str(slots), "--max-queue", "1024", "--warm",
-                           *(["--max-len", str(max_len)] if max_len else [])], stderr=subprocess.PIPE, text=True)
+                           *(["--max-len", str(max_len)] if max_len else []),
+                           *([f"--config.model.dtype={dtype}"] if dtype else [])], stderr=subprocess.PIPE, text=True)
   for line in proc.stderr:
     if match := re.search(r"serving \S+ on (http://\S+/v1)", line):
       threading.Thread(target=proc.stderr.read, daemon=True).start()
@@ -144,7 +147,7 @@ def server_run(url, prompts, max_tokens, rate, server_pid):
   return out
 
 
-def references(workdir, prompts, max_tokens, slots, max_len=None):
+def references(workdir, prompts, max_tokens, slots, max_len=None, dtype=None):
   """(b) and (d) in this process, every program compiled and run once: a function timing both once."""
   from meshtrain import config as config_lib, runtime
   cfg = config_lib.base_config()
@@ -152,7 +155,7 @@ def references(workdir, prompts, max_tokens, slots, max_len=None):
   runtime.start(cfg)
   from meshtrain.inference.engine import Engine, Request
   from meshtrain.inference.generator import Generator
-  gen = Generator.from_workdir(workdir, max_len=max_len)
+  gen = Generator.from_workdir(workdir, max_len=max_len, dtype=dtype)
   # The server's engine alone on the same generator, every request at once (no HTTP, no client): what continuous
   # batching costs on the device and in its loop, apart from the web layer and the client sharing the cores.
   engine = Engine(gen, slots=slots, max_queue=len(prompts))
@@ -228,6 +231,7 @@ def main():
   parser.add_argument("--poisson-requests", type=int, default=None,
                       help="requests in each Poisson run (default: --requests): more make their p99 steadier")
   parser.add_argument("--max-len", type=int, default=None, help="the context served (default: the run's)")
+  parser.add_argument("--dtype", default=None, help="the compute dtype served (default: the run's)")
   parser.add_argument("--out", default="experiments/serve_bench.json")
   parser.add_argument("--plot", default="docs/images/serve_bench.png")
   args = parser.parse_args()
@@ -235,14 +239,14 @@ def main():
   every = make_prompts(max(args.requests, poisson))
   prompts = every[:args.requests]
   results = {"requests": args.requests, "poisson_requests": poisson, "max_tokens": args.max_tokens,
-             "slots": args.slots, "max_len": args.max_len}
-  measure = references(args.workdir, prompts, args.max_tokens, args.slots, args.max_len)
+             "slots": args.slots, "max_len": args.max_len, "dtype": args.dtype}
+  measure = references(args.workdir, prompts, args.max_tokens, args.slots, args.max_len, args.dtype)
   # This process holds JAX and the references' models besides the client threads: a full collection of all that
   # (80 ms and more) would stop the clients mid-request and count in the server's latencies. Frozen, as the server
   # freezes what its start-up built.
   gc.collect()
   gc.freeze()
-  proc, url = start_server(args.workdir, args.slots, args.max_len)
+  proc, url = start_server(args.workdir, args.slots, args.max_len, args.dtype)
   try:
     one(url, prompts[0], 4)  # warm-up
     t0, times0 = time.perf_counter(), server_times(url)
