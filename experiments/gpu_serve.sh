@@ -16,7 +16,8 @@
 #   device tool run: carry ["experiments/wheels"], command "experiments/gpu_serve.sh --server", timeout_s 540
 #   (not run on a GPU yet: at most 120 s to train and 400 s for serve_bench; 1 min 52 s on this CPU at tiny shapes,
 #   CONFIG as above with PYTHONPATH holding what the GPU machine has and .venv-gpu lacks: prometheus-client, uvloop,
-#   anyio, h11, click, matplotlib, threadpoolctl)
+#   anyio, h11, click, matplotlib, threadpoolctl; there the server measured 0.56 of static batching: the training
+#   step's bfloat16, which the CPU decodes 3.6x slower per step, benchmarks/2026-12-05-serve-10.md)
 #
 # The GPU machine lacks tensorboardX (the training metrics' writer) and the server's starlette, uvicorn and
 # httptools; it has prometheus-client, uvloop, anyio, h11, click, matplotlib and scikit-learn (the device tool's
