@@ -6,7 +6,7 @@ Sized for one GPU node (8 GPUs: 8 x 32 sequences of 1,024 tokens). On the 2-core
 (minutes per step); try it there with --config.batch_size=8 --config.seq_len=256 --config.steps=2.
 """
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():

@@ -17,7 +17,7 @@ The layout changes without touching the model, e.g. FSDP x tensor:
 import ml_collections
 
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():

@@ -5,7 +5,7 @@
 For GPU nodes (8 x 80 GB: fsdp=4 x tensor=2 per node, data parallel across nodes).
 """
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():

@@ -12,7 +12,7 @@ exactly these model fields, so the last command continues pre-training it (its l
 included). Without init_from it trains the shape from scratch.
 """
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():

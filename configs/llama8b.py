@@ -6,7 +6,7 @@ For several 8-GPU nodes: fsdp=8 inside a node, data parallel across nodes (mesh.
 rematerialization so activations fit at 8 x 4,096 tokens per GPU.
 """
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():

@@ -13,7 +13,7 @@ pre-training it (its router and experts included; training keeps model.capacity_
 Without init_from it trains the shape from scratch.
 """
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():

@@ -12,7 +12,7 @@ fields, so the last command continues pre-training it (its q/k norms included). 
 shape from scratch.
 """
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():

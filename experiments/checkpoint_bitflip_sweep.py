@@ -9,8 +9,8 @@ with `restore_latest` as train.py does. Outcomes:
   damaged     refused, with the reason `restore_latest` gives (exit code 2 in train.py)
   identical   restored, every array and the meta item equal to what was saved (the bit was not used)
   WRONG       restored, something differs: the failure checksums exist to prevent
-The table is printed and written to experiments/checkpoint_bitflip_sweep_<crc32c|zstd>.json (with --before, a
-checkpoint in the format before checksums: checkpoint_bitflip_sweep_before.json). On a CPU-only machine, 1 device.
+The table is printed and written to benchmarks/results/checkpoint_bitflip_sweep_<crc32c|zstd>.json (with --before,
+a checkpoint in the format before checksums: checkpoint_bitflip_sweep_before.json). On a CPU-only machine, 1 device.
 """
 import argparse
 import collections
@@ -118,7 +118,8 @@ def main():
     for reason, n in counter.most_common(3):
       print(f"  {name}: {n} x {reason}")
   label = "_before" if args.before else f"_{args.array_checksum}"
-  out = pathlib.Path(__file__).with_name(f"checkpoint_bitflip_sweep{label}.json")
+  out = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / f"checkpoint_bitflip_sweep{label}.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"seed": args.seed, "before_checksums": args.before,
                              "array_checksum": None if args.before else args.array_checksum, "outcomes": outcomes,
                              "reasons": reasons}, indent=2))

@@ -33,10 +33,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib  # noqa: E402
-from meshtrain.checkpoint import integrity  # noqa: E402
 import tensorstore as ts  # noqa: E402
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils  # noqa: E402
+
+from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib  # noqa: E402
+from meshtrain.checkpoint import integrity  # noqa: E402
 
 VARIANTS = ("before", "zarr3", "crc32c", "zstd")
 CHECKSUM = {"before": None, "zarr3": None, "crc32c": "crc32c", "zstd": "zstd"}  # integrity.ARRAY_CHECKSUM
@@ -64,7 +65,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--dir", default="/tmp/ckpt_overhead", help="where to write (/dev/shm: no disk noise)")
-  parser.add_argument("--label", default="disk", help="names the JSON written next to this script")
+  parser.add_argument("--label", default="disk", help="names the JSON written to benchmarks/results/")
   args = parser.parse_args()
   root = pathlib.Path(args.dir)
   shutil.rmtree(root, ignore_errors=True)
@@ -130,7 +131,9 @@ def main():
       summary[v][k] |= {f"paired_vs_{base}": x for base, x in paired.items()}
       cells.append(f"{v} {100 * paired['before']:+6.1f}% | {100 * paired['zarr3']:+6.1f}%")
     print(f"  {k:12s} " + "    ".join(cells))
-  out = pathlib.Path(__file__).with_name(f"checkpoint_checksum_overhead_{args.label}.json")
+  results = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+  out = results / f"checkpoint_checksum_overhead_{args.label}.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"rounds": args.rounds, "dir": str(root), "state_bytes": nbytes,
                              "devices": jax.device_count(), "variants": summary}, indent=2))
   shutil.rmtree(root, ignore_errors=True)

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from meshtrain.models import presets  # noqa: E402
+from meshtrain import presets  # noqa: E402
 
 SHARD_BYTES = 5 << 30
 

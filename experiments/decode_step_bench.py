@@ -7,7 +7,7 @@ calls; one process, every program compiled before it is timed. On the CPU it say
 static batching is in its program or between calls; the GPU call (`experiments/gpu_serve.sh`) runs it too.
 
   python experiments/decode_step_bench.py --workdir runs/bench_tiny [--max-len 1024] [--slots 8] [--steps 64]
-      [--out experiments/decode_step_bench.json]
+      [--out benchmarks/results/decode_step_bench.json]
 
 Rows: `slots` prompts of 37 ids (a 48-slot bucket), greedy; the engine's span is the fewest of `Engine.attends`
 holding the prompt bucket and `steps` tokens (the generator's own cache holds exactly those).
@@ -25,14 +25,16 @@ def main():
   parser.add_argument("--slots", type=int, default=8)
   parser.add_argument("--steps", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--out", default="experiments/decode_step_bench.json")
+  parser.add_argument("--out", default="benchmarks/results/decode_step_bench.json")
   args = parser.parse_args()
-  from meshtrain import config as config_lib, runtime
+  from meshtrain import config as config_lib
+  from meshtrain.runtime import startup
   cfg = config_lib.base_config()
   cfg.cpu_devices = 1
-  runtime.start(cfg)
+  startup.start(cfg)
   import jax
   import jax.numpy as jnp
+
   from meshtrain.inference import engine as engine_lib
   from meshtrain.inference.generator import Generator, bucket
   gen = Generator.from_workdir(args.workdir, max_len=args.max_len)

@@ -1,12 +1,12 @@
 """Tuning study for configs/dit_digits.py: a standalone one-device DiT trainer on digits, scored by a classifier.
 
   python experiments/dit_tune.py --d_model 128 --layers 4 --heads 4 --mlp 512 --patch 2 --batch 128 \
-      --lr 1e-3 --steps 1200 --out experiments/dit_tune_results.jsonl
+      --lr 1e-3 --steps 1200 --out benchmarks/results/dit_tune_results.jsonl
 
 Plain jax.jit + optax AdamW with meshtrain.optim's schedule shape (linear warmup, cosine decay to
 lr x min_lr_ratio, global-norm clipping) on `meshtrain.data.digits.load_split("train")` scaled to [-1, 1], with
-meshtrain's DiT and its rectified-flow loss (meshtrain.tasks.dit.loss_per_image, labels dropped with
-class_dropout). Then `per_class` samples of each class (meshtrain.tasks.dit.sample) for every (sampling steps,
+meshtrain's DiT and its rectified-flow loss (meshtrain.families.dit.loss_per_image, labels dropped with
+class_dropout). Then `per_class` samples of each class (meshtrain.families.dit.sample) for every (sampling steps,
 guidance) pair asked for, labelled by an MLPClassifier fitted on the digits train split (pixels in [0, 1]; it scores
 >= 0.95 on the test split, printed): sample accuracy = fraction labelled as their class.
 
@@ -31,8 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's meshtrain
 from meshtrain import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
 from meshtrain.data import digits
+from meshtrain.families import dit as dit_task
 from meshtrain.models import dit
-from meshtrain.tasks import dit as dit_task
 
 
 def classifier():

@@ -2,7 +2,7 @@
 greedy, 128 new tokens, batch 1 and 8, on the CPU; prefill and decode timed separately.
 
   python experiments/generate_vs_transformers.py [--shapes tiny,125m] [--batches 1,8] [--new-tokens 128]
-      [--prompt-len 32] [--rounds 3] [--torch-threads N] [--json experiments/generate_vs_transformers.json]
+      [--prompt-len 32] [--rounds 3] [--torch-threads N] [--json benchmarks/results/generate_vs_transformers.json]
 
 Weights: meshtrain's random init (model.init=normal, float32) of each preset shape, saved as a params-only workdir
 (the format `convert from-hf` writes) and exported with `meshtrain.convert to-hf`, which transformers loads with
@@ -43,10 +43,13 @@ jax.config.update("jax_num_cpu_devices", 1)
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from meshtrain import checkpoint, config as config_lib  # noqa: E402
+from meshtrain import (  # noqa: E402
+  checkpoint,
+  config as config_lib,
+  presets,  # noqa: E402
+)
 from meshtrain.inference import generator  # noqa: E402
 from meshtrain.interop import hf as hf_interop  # noqa: E402
-from meshtrain.models import presets  # noqa: E402
 from meshtrain.models.llama import ModelConfig, Transformer  # noqa: E402
 
 SHAPES = {"tiny": "tiny", "125m": "125m"}

@@ -1,6 +1,6 @@
 """Own data at scale: the conversion's peak memory against corpus size, and the tokenizing pass in 1 and 2 processes.
 
-  python experiments/own_data_bench.py --out experiments/own_data_bench.json [--work /tmp/own_data_bench]
+  python experiments/own_data_bench.py --out benchmarks/results/own_data_bench.json [--work /tmp/own_data_bench]
 
 1. Writes JSON-lines corpora of the interpreter's standard-library files (each record one file, cycled with a
    counter so no two records are equal) of --small-mb and --large-mb, and converts each in a fresh process
@@ -83,7 +83,7 @@ def digest(data_dir: pathlib.Path) -> list[str]:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default=str(REPO / "experiments" / "own_data_bench.json"))
+  parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "own_data_bench.json"))
   parser.add_argument("--work", default="/tmp/own_data_bench")
   parser.add_argument("--small-mb", type=int, default=200)
   parser.add_argument("--large-mb", type=int, default=2048)
@@ -107,7 +107,7 @@ def main():
 
   # The BPE, trained on a sample (what `python -m meshtrain.tokenizer train` does on a dataset).
   sys.path.insert(0, str(REPO))
-  from meshtrain.data import tokenizer  # pylint: disable=g-import-not-at-top
+  from meshtrain.data import tokenization as tokenizer  # pylint: disable=g-import-not-at-top
   sample = [json.loads(line)["text"] for _, line in zip(range(2000), open(work / f"corpus_{args.small_mb}mb.jsonl"))]
   tokenizer.train_bpe(sample, 4096, work / "bpe")
   corpus = str(work / f"corpus_{args.small_mb}mb.jsonl")

@@ -6,8 +6,8 @@ Trains configs/tiny.py (on its local corpus, the same batches everywhere) for --
 8 simulated CPU devices, and the same model on one device. Prints a table: the largest relative difference of
 the per-step losses from one device, tokens/s (median of synchronised steps after 3 warm-up steps), per-device
 memory of the compiled step (arguments + temporaries) and the collectives in its HLO; writes
-experiments/parallelism_sweep.json and experiments/parallelism_sweep.png. On 2 CPU cores the tokens/s compare
-the layouts' overheads (collectives are memory copies here), not what they would do on GPUs.
+benchmarks/results/parallelism_sweep.json and benchmarks/results/parallelism_sweep.png. On 2 CPU cores the
+tokens/s compare the layouts' overheads (collectives are memory copies here), not what they would do on GPUs.
 """
 import argparse
 import collections
@@ -19,6 +19,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE.parent / "benchmarks" / "results"
 sys.path.insert(0, str(HERE.parent))
 
 # name: (mesh sizes, rules preset, other overrides). Each is compared with the one-device run of the same model
@@ -57,6 +58,7 @@ def make_config(mesh_sizes, rules, overrides, steps):
 
 def run(cfg, devices, init_params=None):
   import jax
+
   from meshtrain import data, layout as layout_lib, mesh as mesh_lib
   layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=devices))
   src = data.make_source(cfg, cfg.data.train_split, shuffle=True)
@@ -90,6 +92,7 @@ def main() -> int:
   mesh_lib.simulate_cpu_devices(8)
   import jax
   import numpy as np
+
   from meshtrain.parallel import pipeline
 
   names = args.only or list(LAYOUTS)
@@ -131,7 +134,8 @@ def main() -> int:
   for moe, ref in references.items():
     print(f"one device{' (MoE)' if moe else ''}: {ref['tokens_per_sec']:,.0f} tokens/s, {ref['memory_mib']:.1f} MiB, "
           f"loss {ref['losses'][0]:.3f} -> {ref['losses'][-1]:.3f}")
-  (HERE / "parallelism_sweep.json").write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=1) + "\n")
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  (RESULTS / "parallelism_sweep.json").write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=1) + "\n")
 
   import matplotlib
   matplotlib.use("Agg")
@@ -149,8 +153,8 @@ def main() -> int:
   ax2.set_xscale("log")
   ax2.set_xlabel(f"max relative loss difference from one device ({args.steps} steps)")
   fig.tight_layout()
-  fig.savefig(HERE / "parallelism_sweep.png", dpi=100)
-  print(f"\nwrote {HERE / 'parallelism_sweep.json'} and {HERE / 'parallelism_sweep.png'}")
+  fig.savefig(RESULTS / "parallelism_sweep.png", dpi=100)
+  print(f"\nwrote {RESULTS / 'parallelism_sweep.json'} and {RESULTS / 'parallelism_sweep.png'}")
   return 0
 
 

@@ -1,6 +1,6 @@
 """Does the planner's arithmetic match the compiled program and the measured step? Tiny model, 8 CPU devices.
 
-  python experiments/plan_validation.py [--steps 8] [--out experiments/plan_validation.json]
+  python experiments/plan_validation.py [--steps 8] [--out benchmarks/results/plan_validation.json]
 
 For each layout: the planner's memory per device (meshtrain/analysis/estimate.py) vs the compiled figure (inspect), and
 its predicted step time (this machine's matmul peak and all-reduce bandwidth, measured here; the CPU runs
@@ -29,11 +29,12 @@ CONFIG = "configs/tiny.py"
 
 
 def predict() -> dict:
-  from meshtrain import config as config_lib, runtime
+  from meshtrain import config as config_lib
+  from meshtrain.runtime import startup
   cfg = config_lib.load(CONFIG, [])
-  runtime.start(cfg)
+  startup.start(cfg)
   from meshtrain import mesh as mesh_lib
-  from meshtrain.analysis import estimate, inspect, plan
+  from meshtrain.analysis import compiled as inspect, estimate, planner as plan
   hw = plan.hardware("cpu", mesh_lib.make_mesh({"data": -1}), cfg.model.dtype)
   out = {"peak_flops_per_device": hw.peaks[cfg.model.dtype], "allreduce_bytes_per_s": hw.node_bw, "layouts": {}}
   for name, overrides in LAYOUTS.items():
@@ -57,7 +58,7 @@ def measure(overrides: list[str], steps: int) -> float:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=8)
-  parser.add_argument("--out", default="experiments/plan_validation.json")
+  parser.add_argument("--out", default="benchmarks/results/plan_validation.json")
   args = parser.parse_args()
   result = predict()
   for name, overrides in LAYOUTS.items():

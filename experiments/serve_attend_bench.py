@@ -9,7 +9,7 @@ there); elsewhere the count of requests with equal tokens is reported (on a GPU 
 near-tied bf16 argmax).
 
   python experiments/serve_attend_bench.py --workdir runs/bench_tiny --max-len 1024 [--requests 64]
-      [--max-tokens 64] [--slots 8] [--rounds 3] [--out experiments/serve_attend_bench.json]
+      [--max-tokens 64] [--slots 8] [--rounds 3] [--out benchmarks/results/serve_attend_bench.json]
 
 Prompts of 4-40 random byte ids, greedy, every request to its max_tokens: the rows use at most 48 + 64 slots of
 their 1,000-odd.
@@ -30,13 +30,15 @@ def main():
   parser.add_argument("--max-tokens", type=int, default=64)
   parser.add_argument("--slots", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--out", default="experiments/serve_attend_bench.json")
+  parser.add_argument("--out", default="benchmarks/results/serve_attend_bench.json")
   args = parser.parse_args()
-  from meshtrain import config as config_lib, runtime
+  from meshtrain import config as config_lib
+  from meshtrain.runtime import startup
   cfg = config_lib.base_config()
   cfg.cpu_devices = 1
-  runtime.start(cfg)
+  startup.start(cfg)
   import jax
+
   from meshtrain.inference.engine import Engine, Request
   from meshtrain.inference.generator import Generator, bucket
   prompts = make_prompts(args.requests)  # serve_bench.py's

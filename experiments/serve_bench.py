@@ -4,7 +4,7 @@ batches through generate.Generator (the ceiling), (c) the server with 8 requests
 plot of throughput against latency. Also (d) the server's engine alone (no HTTP, no client), all requests at once.
 
   python experiments/serve_bench.py --workdir runs/tiny [--requests 64] [--poisson-requests N] [--max-tokens 64]
-      [--slots 8] [--max-len N] [--dtype float32] [--out experiments/serve_bench.json]
+      [--slots 8] [--max-len N] [--dtype float32] [--out benchmarks/results/serve_bench.json]
       [--plot docs/images/serve_bench.png]
 
 `--max-len` serves a context shorter than the run's (the server's and the engine's `--max-len`): every decode step
@@ -149,10 +149,11 @@ def server_run(url, prompts, max_tokens, rate, server_pid):
 
 def references(workdir, prompts, max_tokens, slots, max_len=None, dtype=None):
   """(b) and (d) in this process, every program compiled and run once: a function timing both once."""
-  from meshtrain import config as config_lib, runtime
+  from meshtrain import config as config_lib
+  from meshtrain.runtime import startup
   cfg = config_lib.base_config()
   cfg.cpu_devices = 1
-  runtime.start(cfg)
+  startup.start(cfg)
   from meshtrain.inference.engine import Engine, Request
   from meshtrain.inference.generator import Generator
   gen = Generator.from_workdir(workdir, max_len=max_len, dtype=dtype)
@@ -232,7 +233,7 @@ def main():
                       help="requests in each Poisson run (default: --requests): more make their p99 steadier")
   parser.add_argument("--max-len", type=int, default=None, help="the context served (default: the run's)")
   parser.add_argument("--dtype", default=None, help="the compute dtype served (default: the run's)")
-  parser.add_argument("--out", default="experiments/serve_bench.json")
+  parser.add_argument("--out", default="benchmarks/results/serve_bench.json")
   parser.add_argument("--plot", default="docs/images/serve_bench.png")
   args = parser.parse_args()
   poisson = args.poisson_requests or args.requests

@@ -21,9 +21,8 @@ from typing import Callable
 
 import ml_collections
 
+from meshtrain import presets
 from meshtrain.errors import UserError
-from meshtrain import profiling
-from meshtrain.models import presets
 
 # Fields that decide which tokens the batch at step k holds: a resumed run that changes one silently continues on
 # another data order, so resuming with a change needs allow_data_change. (data.data_dir is not among them: the
@@ -542,6 +541,20 @@ def _convert(key, raw, old):
   return raw
 
 
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+  """`profile_steps`: "" -> None, "7" -> (7, 7), "20-24" -> (20, 24); anything else is a UserError naming the format."""
+  if not text:
+    return None
+  first, _, last = text.partition("-")
+  try:
+    a, b = int(first), int(last or first)
+  except ValueError:
+    a, b = 0, -1
+  if not 1 <= a <= b:
+    raise UserError(f"profile_steps={text!r} is not a step range; write A-B with 1 <= A <= B (e.g. 20-24) or one step")
+  return a, b
+
+
 def check_choice(key, value, choices):
   if value not in choices:
     raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(map(str, choices))}")
@@ -565,7 +578,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   for key, value in non_negative.items():
     if value < 0:
       raise UserError(f"config key {key!r} must be >= 0, got {value}")
-  profiling.parse_steps(cfg.profile_steps)
+  parse_profile_steps(cfg.profile_steps)
   _check_values(cfg)
   check_choice("nonfinite", cfg.nonfinite, ("stop", "skip"))
   if cfg.pipeline.microbatches < 1 or cfg.pipeline.repeats < 1:
@@ -682,7 +695,7 @@ def _check_step_fields(cfg, overridden: set[str]) -> None:
     raise UserError(f"optimizer.warmup_steps={warmup} is beyond steps={cfg.steps}: the learning rate would never "
                     f"reach optimizer.learning_rate and the cosine decay would never start; use warmup_steps <= "
                     f"{cfg.steps} (a few percent of the run is usual) or raise steps")
-  profile = profiling.parse_steps(cfg.profile_steps)
+  profile = parse_profile_steps(cfg.profile_steps)
   if profile and profile[1] > cfg.steps and (not shortened or "profile_steps" in overridden):
     raise UserError(f"profile_steps={cfg.profile_steps!r} reaches beyond steps={cfg.steps}, so the trace would never "
                     f"be complete; profile steps within 1-{cfg.steps}")

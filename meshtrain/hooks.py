@@ -32,10 +32,15 @@ flush_metrics() (write the metrics due now).
 """
 import contextlib
 import dataclasses
+import pathlib
 import time
+
+import jax
+import jax.numpy as jnp
 
 from meshtrain import data
 from meshtrain.errors import RunAborted
+from meshtrain.inference import dit_sampler
 
 # The train step's own metrics (meshtrain/step.py), besides the count named after the task's unit.
 STEP_METRICS = ("loss", "grad_norm", "learning_rate", "nonfinite_steps", "last_nonfinite_step")
@@ -181,7 +186,6 @@ class MetricsLog(Hook):
   the first step's start-up record and the progress bar."""
 
   def __init__(self, run: Run, flops_per_example: float, peak: float, startup_clock):
-    import jax
     self.pending = None               # (step, metrics on device) to fetch after the next dispatch
     self.seen_nonfinite = int(jax.device_get(run.state.nonfinite_steps))
     self.flops_per_example, self.peak = flops_per_example, peak
@@ -210,7 +214,6 @@ class MetricsLog(Hook):
                        f"skip such steps")
 
   def emit(self, step: int, metrics: dict, run: Run) -> None:
-    import jax
     run.beat(step, f"waiting for step {step}")
     metrics = jax.device_get(metrics)
     self.check_finite(metrics, run)
@@ -274,8 +277,6 @@ class Evaluate(Periodic):
     self.eval_fn, self.source, self.extra = eval_fn, source, extra
 
   def evaluate(self, step: int, run: Run) -> dict:
-    import jax
-    import jax.numpy as jnp
     layout, sums = run.layout, None
     for i in range(run.cfg.eval_batches):
       run.beat(step, f"evaluation batch {i}")
@@ -311,7 +312,6 @@ class Checkpoint(Periodic):
     self.save(step, run)
 
   def save(self, step: int, run: Run) -> None:
-    import jax
     cfg = run.cfg
     if cfg.nonfinite == "stop":  # a save is a sync point anyway: never keep a run that should have stopped
       run.metrics_log.check_finite(
@@ -345,6 +345,70 @@ def for_loop(run: Run, notice, profiler, evaluate: Evaluate | None, checkpoint_m
   `run.metrics_log` (set before) writes the metrics, `notice` is the PreemptionNotice, `profiler` the StepProfiler,
   `checkpoint_meta` what every checkpoint's meta item holds besides the data position, `extra` the caller's."""
   save = Checkpoint(run.cfg.checkpoint_every, checkpoint_meta)
-  task_hooks = run.task.hooks(run) if hasattr(run.task, "hooks") else []
+  # The DiT's own periodic work: a sample grid (and, on digits, its quality) at eval_every.
+  task_hooks = [SampleHook(run.cfg)] if run.cfg.task == "dit" and run.cfg.eval_every else []
   return Hooks([Preemption(notice, save), run.metrics_log, Heartbeat(run.watchdog), ProfileWindow(profiler),
                 *([evaluate] if evaluate else []), save, *task_hooks, *extra])
+
+
+class LoopClock(Hook):
+  """Bench's hook (`python -m meshtrain.bench --loop`): times the loop from the moment the first step's metrics are
+  fetched (start-up and the first dispatch are behind it) to the end, every step's result on the devices, the
+  loop's paused time (evaluation, checkpoints, trace writing) excluded."""
+
+  def __init__(self):
+    self.t0 = self.paused0 = self.first = None
+    self.seconds, self.steps = None, 0
+
+  def after(self, step, run):
+    # Called after the metrics hook: at the second step it has fetched the first step's metrics.
+    if step == run.start + 2:
+      self.t0, self.paused0, self.first = time.perf_counter(), run.timer.paused_s, step - 1
+
+  def end(self, run):
+    if self.t0 is None:
+      return
+    jax.block_until_ready(run.state)
+    self.seconds = time.perf_counter() - self.t0 - (run.timer.paused_s - self.paused0)
+    self.steps = run.last_step - self.first
+    run.writer.print(f"loop: {self.steps} steps after the first in {self.seconds:.2f}s "
+                     f"({self.seconds / self.steps:.4f} s/step, evaluation and checkpoints excluded)")
+
+
+class SampleHook(Periodic):
+  """At eval_every and at the end of a DiT run: sample.per_class images of every class with the run's `sample`
+  settings, write WORKDIR/samples/step_N.png and the TensorBoard image `samples`, and on digits log sample_accuracy
+  and sample_frechet (meshtrain/inference/quality.py) to metrics.jsonl. In the loop's list of a DiT run (`for_loop`)."""
+
+  def __init__(self, cfg):
+    super().__init__(cfg.eval_every)
+    self._sampler = None
+    self._judge = None
+    self._warned = False
+
+  def run_at(self, step: int, run) -> None:
+    cfg, s = run.cfg, run.cfg.sample
+    run.beat(step, "sampling images")
+    if self._sampler is None:
+      self._sampler = dit_sampler.Sampler(run.layout, s.steps, s.guidance)
+    labels, index = dit_sampler.class_labels(range(cfg.model.num_classes), s.per_class)
+    images = self._sampler(run.params, labels, index, s.seed)  # every process: one program over the whole mesh
+    if jax.process_index() != 0:
+      return
+    path = pathlib.Path(run.workdir) / dit_sampler.SAMPLES_DIR / f"step_{step}.png"
+    try:
+      grid = dit_sampler.save_grid(path, images, labels)
+      run.writer.image("samples", grid, step)
+    except ImportError as e:  # e.g. the GPU machines carry no pillow: the run goes on without pictures
+      if not self._warned:
+        run.writer.print(f"step {step}: no sample grid ({e}); pip install pillow to get one")
+      self._warned, path = True, None
+    if self._judge is None:
+      self._judge = dit_sampler.judge_for(cfg.data.name, images.shape[1:]) or False
+    if self._judge:
+      scores = self._judge.score(images, labels)
+      run.writer.write({"step": step, **scores})
+      run.writer.print(f"step {step}: sample accuracy {scores['sample_accuracy']:.3f}, Frechet distance "
+                       f"{scores['sample_frechet']:.2f}" + (f" ({path})" if path else ""))
+    elif path:
+      run.writer.print(f"step {step}: samples in {path}")

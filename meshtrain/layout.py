@@ -15,7 +15,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain import optim, sharding, step as step_lib, tasks
+from meshtrain import families, optim, sharding, step as step_lib
 from meshtrain.errors import UserError
 from meshtrain.runtime import host
 
@@ -25,7 +25,7 @@ class Layout:
   cfg: object
   mesh: Mesh
   rules: sharding.Rules
-  task: object                          # tasks.build's: the model, batch spec, loss and eval of cfg.task
+  task: object                          # families.build's: the model, batch spec, loss and eval of cfg.task
   tx: optax.GradientTransformation
   schedule: optax.Schedule
   table: list[sharding.ParamRow]
@@ -134,14 +134,14 @@ class Layout:
 def build(cfg, mesh: Mesh, platform: str | None = None) -> Layout:
   """Checks the layout from shapes alone, then derives every sharding of the train state.
 
-  The task (`tasks.build`) runs its model-specific checks and builds the model; everything else here is the same
+  The task (`families.build`) runs its model-specific checks and builds the model; everything else here is the same
   for every task. Nothing depends on the tokenizer: the eval step takes the task's eval_extra as an argument.
 
   `platform` is the one the steps are for (default: the mesh's devices'); "gpu" lets a CPU machine lower the
   steps a GPU would run (`lower(lowering_platforms=("cuda",))`), cuDNN attention included.
   """
   rules = sharding.for_mesh(sharding.rules_for(cfg.sharding.rules, cfg.sharding.sequence_parallel), mesh)
-  task = tasks.build(cfg, mesh, platform)
+  task = families.build(cfg, mesh, platform)
   stages = mesh.shape["stage"]
   sharding.check_mesh_uses_rules(mesh, rules, has_experts=cfg.model.get("num_experts", 0) > 0, pipelined=stages > 1)
   sharding.check_batch(mesh, cfg.batch_size, cfg.optimizer.grad_accum_steps)

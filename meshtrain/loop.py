@@ -1,25 +1,32 @@
-"""The train loop as a library: what `python -m meshtrain.train` (and bench's --loop) runs once the runtime started.
+"""The train loop as a library: what `python -m meshtrain.train` (and bench's --loop) runs.
 
-`train` reads as a run goes: the data, the layout and the checkpoint to resume (every user mistake surfaces there,
-before any compile), the compiled steps, the hooks (meshtrain/hooks.py), then `_loop`: load a batch, dispatch the
-step, call the hooks.
+`run` starts the runtime and holds the workdir's lock around `train`, which reads as a run goes: the data, the
+layout and the checkpoint to resume (every user mistake surfaces there, before any compile), the compiled steps,
+the hooks (meshtrain/hooks.py), then `_loop`: load a batch, dispatch the step, call the hooks.
 """
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import pathlib
+import sys
+import tempfile
 import time
 
 import jax
 
-from meshtrain import data, hooks as hooks_lib, layout as layout_lib, mesh as mesh_lib, runtime, sharding
-from meshtrain.analysis import perf
+from meshtrain import data, hooks as hooks_lib, layout as layout_lib, mesh as mesh_lib, sharding
 from meshtrain.checkpoint import Checkpointer, init_from, resume
+from meshtrain.costs import perf
 from meshtrain.metrics import MetricsWriter
 from meshtrain.parallel.pipeline import bubble_fraction, pipeline_repeats
 from meshtrain.profiling import StepProfiler
+from meshtrain.runtime import startup, workdir as workdir_lib
+from meshtrain.runtime.preemption import PreemptionNotice
 from meshtrain.runtime.watchdog import Watchdog
+
+_IMPORTED = time.perf_counter()  # the start-up clock's fallback where the process start time is unknown
 
 
 def log(*args) -> None:
@@ -28,20 +35,40 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-def train(cfg, workdir: pathlib.Path, preemption, extra_hooks, startup_clock) -> dict:
+def run(cfg, workdir: pathlib.Path, hooks=(), preemption: PreemptionNotice | None = None) -> dict:
   """Trains to cfg.steps (resuming the workdir's checkpoints) and returns timing: compile and start-up seconds.
 
-  `preemption` is the PreemptionNotice installed since start-up, `extra_hooks` run after the loop's own,
-  `startup_clock()` gives the seconds since the process started."""
+  `hooks` (meshtrain/hooks.py) run after the loop's own, e.g. bench's loop clock. `preemption` is the
+  PreemptionNotice the command installed at its start (else one is installed here)."""
+  if preemption is None:
+    with PreemptionNotice() as notice:
+      return run(cfg, workdir, hooks, notice)
+  startup.start(cfg)  # XLA flags, CPU devices, distributed runtime: before JAX initialises its backends
+  origin = resume.begin(cfg, workdir)  # before the lock: a refused run writes nothing there
+  # Before anything reads or writes the workdir: a second run there is refused, the first one is left alone.
+  with workdir_lib.exclusive(workdir, jax.process_index(), jax.process_count(), cfg.distributed.barrier_timeout_s):
+    return train(cfg, workdir, origin, preemption, hooks)
+
+
+def startup_clock() -> float:
+  """Seconds since this process started (or, where unknown, since this module was imported)."""
+  since_start = perf.seconds_since_process_start()
+  return since_start if since_start is not None else time.perf_counter() - _IMPORTED
+
+
+def train(cfg, workdir: pathlib.Path, origin: resume.Resume, preemption, extra_hooks) -> dict:
+  """Trains to cfg.steps (resuming the workdir's checkpoints) and returns timing: compile and start-up seconds.
+
+  Called by `run`, inside the runtime and the lock."""
   is_main = jax.process_index() == 0
   # --- Data, layout and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
-  init = resume.fine_tune_source(cfg, workdir)
+  init = origin.init
   tok, train_src, eval_src = _data(cfg, init)
   mesh, layout = _mesh_and_layout(cfg)
   # Each process got here at its own pace (data, tokenizer, tracing); Orbax's barriers are collectives: start together.
-  runtime.barrier("the checkpoint restore", cfg.distributed.barrier_timeout_s)
+  startup.barrier("the checkpoint restore", cfg.distributed.barrier_timeout_s)
   ckpt = Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)
-  start, state, init_record = resume.restore(ckpt, cfg, workdir, layout, tok, init, log)
+  start, state = origin.restore(ckpt, layout, tok, log)
   if start is not None and start >= cfg.steps:
     log(f"{ckpt.directory} already holds step {start} >= steps={cfg.steps}; nothing to do "
         f"(raise --config.steps to train further)")
@@ -51,8 +78,7 @@ def train(cfg, workdir: pathlib.Path, preemption, extra_hooks, startup_clock) ->
   programs, initial_state = _compile(cfg, mesh, layout, init, fresh=start is None, with_eval=eval_src is not None)
   if start is None:
     state, start = initial_state, 0
-    if init is not None:  # the step init_from's parameters came from: a live source may have deleted the one resolved
-      init_record = init.describe()
+    origin.started_fresh()
   else:
     log(f"resumed from {ckpt.directory / str(start)}")
 
@@ -70,12 +96,12 @@ def train(cfg, workdir: pathlib.Path, preemption, extra_hooks, startup_clock) ->
   if eval_src is not None:
     # The task's extra eval input, e.g. the bytes each id stands for: bits per byte compares tokenizers.
     evaluate = hooks_lib.Evaluate(cfg.eval_every, programs.eval_fn, eval_src, layout.eval_extra(tok))
-  hooks = hooks_lib.for_loop(run, preemption, profiler, evaluate, resume.checkpoint_meta(cfg, layout, tok, init_record),
+  hooks = hooks_lib.for_loop(run, preemption, profiler, evaluate, origin.checkpoint_meta(layout, tok),
                              extra_hooks)
   if init is not None and evaluate is not None:
     evaluate.baseline(run)
   # Compile and restore times differ between processes; the first step's collectives must not wait 30 s for a peer.
-  runtime.barrier("the first step", cfg.distributed.barrier_timeout_s)
+  startup.barrier("the first step", cfg.distributed.barrier_timeout_s)
   preemption.start_loop(distributed=jax.process_count() > 1)
   try:
     _loop(run, programs.train_fn, batches, hooks)
@@ -149,7 +175,7 @@ def _write_run_files(cfg, workdir: pathlib.Path, tok) -> None:
   (workdir / "config.json.tmp").write_text(json.dumps(cfg.to_dict(), indent=2))
   (workdir / "config.json.tmp").replace(workdir / "config.json")
   if tok is not None:
-    data.tokenizer.save_to_workdir(tok, workdir)
+    data.tokenization.save_to_workdir(tok, workdir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,3 +242,17 @@ def compiled_summary(compiled) -> str:
   if cost and "flops" in cost:
     parts.append(f"{cost['flops'] / 1e9:,.2f} GFLOP per device per step")
   return "; ".join(parts)
+
+
+def efficiency(cfg, steps: int, step_s: float) -> dict:
+  """Bench's `--loop`: runs the train loop itself for `steps` steps in a temporary workdir and compares its wall time
+  with `step_s` x steps."""
+  cfg = cfg.copy_and_resolve_references()
+  cfg.unlock()
+  cfg.update(steps=steps, eval_every=0, checkpoint_every=0, log_every=max(1, steps // 5), profile_steps="")
+  clock = hooks_lib.LoopClock()
+  # The loop's own log goes to stderr, so --json output stays one object on stdout.
+  with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as workdir, contextlib.redirect_stdout(sys.stderr):
+    run(cfg, pathlib.Path(workdir), hooks=[clock])
+  loop_step_s = clock.seconds / clock.steps
+  return {"loop_step_time_s": loop_step_s, "loop_efficiency": loop_step_s / step_s, "loop_steps": clock.steps}

@@ -12,9 +12,9 @@ Axis order is outermost to innermost: the axes that carry the most traffic, on t
 nodes (one node per process, or per TPU slice) only the `mesh.nodes` sizes apply; by default that is `data`, the
 axis that communicates least (one gradient all-reduce per step, overlappable).
 """
-from collections.abc import Mapping
 import math
 import warnings
+from collections.abc import Mapping
 
 import jax
 from jax.experimental import mesh_utils

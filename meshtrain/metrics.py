@@ -6,6 +6,9 @@ import json
 import pathlib
 import sys
 
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 import tqdm
 
 THROUGHPUT_KEYS = ("tokens_per_sec", "images_per_sec")  # the tasks' throughput_key: shown whole on the progress bar
@@ -23,7 +26,7 @@ def _summary_writer():
   if hide:
     sys.modules["torch"] = None
   try:
-    from tensorboardX import SummaryWriter
+    from tensorboardX import SummaryWriter  # with torch hidden (above): only while it is imported
   finally:
     if hide:
       del sys.modules["torch"]
@@ -81,7 +84,6 @@ class MetricsWriter:
     """A TensorBoard image summary: uint8 [H, W, C] (C = 1 or 3), e.g. a grid of samples."""
     if not self.enabled:
       return
-    import numpy as np
     image_HWC = np.asarray(image_HWC)
     if image_HWC.dtype != np.uint8 or image_HWC.ndim != 3 or image_HWC.shape[-1] not in (1, 3):
       raise ValueError(f"MetricsWriter.image takes uint8 [H, W, 1 or 3], got {image_HWC.dtype} {image_HWC.shape}")
@@ -116,9 +118,7 @@ class MetricsWriter:
 
 def plot_losses(metrics_path: pathlib.Path, png_path: pathlib.Path) -> None:
   """Train and eval loss against step, from metrics.jsonl (the whole history, across resumes)."""
-  import matplotlib
   matplotlib.use("Agg")  # no display on training machines
-  import matplotlib.pyplot as plt
   records = [json.loads(line) for line in open(metrics_path) if line.strip()]
   train = [(r["step"], r["loss"]) for r in records if "loss" in r]
   evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]

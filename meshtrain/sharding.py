@@ -6,9 +6,9 @@ then runs data-parallel, FSDP, tensor-parallel or FSDP x tensor by switching the
 names a mesh axis. Parameter names and activation names are separate (`mlp` vs `act_mlp`) so the two can be
 laid out differently, e.g. FSDP splits the `embed` dimension of weights while activations keep it whole.
 """
-from collections.abc import Sequence
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax

@@ -21,6 +21,7 @@ from meshtrain import config as config_lib  # noqa: E402
 def main(argv: list[str]) -> int:
   cfg = config_lib.load(argv[0], argv[1:])
   import jax
+
   from meshtrain import layout as layout_lib, mesh as mesh_lib
   layout = layout_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1]), platform="gpu")
   text = layout.lower_train_step(platforms=("cuda",)).as_text()

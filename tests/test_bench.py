@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from meshtrain import config, layout, mesh
-from meshtrain.analysis import perf
+from meshtrain.costs import perf
 
 
 def hand_flops(L, D, H, K, E, F, V, layers, tied):

@@ -25,10 +25,10 @@ except ImportError as e:
   raise ImportError(f"tests/test_chat.py checks chat templates against transformers ({e}); install it with pip "
                     "install -e '.[test,hf]', or set MESHTRAIN_SKIP_HF_TESTS=1 to skip these tests knowingly") from e
 
-from meshtrain import convert, generate, runtime
-from meshtrain.data import tokenizer as tokenizer_lib
+from meshtrain.runtime import startup
+from meshtrain.cli import convert, generate
+from meshtrain.data import chat, tokenization as tokenizer_lib
 from meshtrain.errors import UserError
-from meshtrain.data import chat
 from meshtrain.interop import hf_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -307,6 +307,7 @@ def test_split_special_tokens_encodes_them_as_text(dirs, tmp_path):
 def sentencepiece_dir(directory: pathlib.Path, template: str) -> pathlib.Path:
   """A SentencePiece model (BPE, byte fallback; no tokenizer.json) with a tokenizer_config.json holding `template`."""
   import io
+
   import sentencepiece as spm
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus()), model_writer=model, vocab_size=400,
@@ -496,7 +497,7 @@ def fail_if_started(cfg):
 
 
 def test_generate_refusals_exit_2_before_the_runtime_starts(converted, dirs, tmp_path, capsys, monkeypatch):
-  monkeypatch.setattr(runtime, "start", fail_if_started)
+  monkeypatch.setattr(startup, "start", fail_if_started)
   workdir = converted / "w"
   bad = tmp_path / "bad.json"
   bad.write_text("[{\"role\": \"user\"}]")

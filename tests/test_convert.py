@@ -24,7 +24,8 @@ except ImportError as e:
                     "with pip install -e '.[test,hf]', or set MESHTRAIN_SKIP_HF_TESTS=1 to skip these tests "
                     "knowingly") from e
 
-from meshtrain import checkpoint, convert
+from meshtrain import checkpoint
+from meshtrain.cli import convert
 from meshtrain.interop import hf_tokenizer, weights
 from meshtrain.models.llama import ModelConfig, Transformer
 
@@ -114,7 +115,7 @@ def test_sharded_index_and_tokenizer_are_read(tmp_path):
   assert checkpoint.load_params(tmp_path / "w")[1]["tokenizer"]["kind"] == "hf"
   assert_close(meshtrain_logits(tmp_path / "w"), hf_logits(hf))
   # Out again: the tokenizer.json travels along, and AutoTokenizer encodes as meshtrain's tokenizer does.
-  from meshtrain.data import tokenizer as tokenizer_lib
+  from meshtrain.data import tokenization as tokenizer_lib
   assert run_convert("to-hf", "--workdir", tmp_path / "w", "--out", tmp_path / "back") == 0
   ours = tokenizer_lib.from_workdir(tmp_path / "w")
   theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
@@ -190,7 +191,7 @@ def test_imported_model_generates_as_transformers(tmp_path):
 
 
 def test_byte_tokenizer_round_trips_through_auto_tokenizer(trained):
-  from meshtrain.data import tokenizer as byte
+  from meshtrain.data import tokenization as byte
   tok = transformers.AutoTokenizer.from_pretrained(trained / "hf")
   text = "def f(x):\n    return x  # ünïcödé ✓ \t"
   ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -210,7 +211,8 @@ def random_checkpoint(workdir, cfg, tokenizer=None):
   random parameters: the export reads nothing else, so no training steps are needed."""
   import flax.linen as nn
   import jax
-  from meshtrain.data import tokenizer as tokenizer_lib
+
+  from meshtrain.data import tokenization as tokenizer_lib
   tok = tokenizer or tokenizer_lib.load("byte")
   params = nn.meta.unbox(Transformer(ModelConfig.from_config(cfg.model)).init(
       jax.random.key(1), jnp.zeros((1, 4), jnp.int32))["params"])
@@ -227,9 +229,11 @@ def sp_run(tmp_path_factory):
   """A tiny model with a Llama-2-style SentencePiece model (BPE, dummy prefix, whitespace kept, byte fallback,
   digits split; trained here on meshtrain's own source), exported to HF."""
   import io
+
   import sentencepiece as spm
+
   from meshtrain import config as config_lib
-  from meshtrain.data import tokenizer as tokenizer_lib
+  from meshtrain.data import tokenization as tokenizer_lib
   root = tmp_path_factory.mktemp("sp")
   lines = [line for f in sorted((REPO / "meshtrain").glob("*.py")) for line in f.read_text().splitlines() if line]
   model = io.BytesIO()
@@ -249,7 +253,8 @@ def sp_run(tmp_path_factory):
 @pytest.mark.parametrize("use_fast", [True, False])
 def test_sentencepiece_run_exports_a_tokenizer_that_encodes_as_meshtrain(sp_run, use_fast):
   import sentencepiece as spm
-  from meshtrain.data import tokenizer as tokenizer_lib
+
+  from meshtrain.data import tokenization as tokenizer_lib
   ours = tokenizer_lib.from_workdir(sp_run / "run")
   assert ours.kind == "sentencepiece" and (sp_run / "hf" / "tokenizer.model").is_file()
   sp = spm.SentencePieceProcessor(model_file=str(sp_run / "stdlib.model"))
@@ -272,8 +277,10 @@ def test_sentencepiece_defaults_export_as_meshtrain_encodes(tmp_path):
   its unigram also matches text spelling a control piece ("<s>") as that piece (no such text here), and it decodes
   <unk> as "<unk>" (or skips it), which SentencePiece writes as " ⁇ " (decoding compared without <unk> here)."""
   import io
+
   import sentencepiece as spm
-  from meshtrain.data import tokenizer as tokenizer_lib
+
+  from meshtrain.data import tokenization as tokenizer_lib
   lines = [line for f in sorted((REPO / "meshtrain").glob("*.py")) for line in f.read_text().splitlines() if line]
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:2000]), model_writer=model, vocab_size=400,
@@ -292,7 +299,7 @@ def test_sentencepiece_defaults_export_as_meshtrain_encodes(tmp_path):
 
 
 def test_sentencepiece_run_exports_equal_logits_and_imports_back(sp_run, tmp_path):
-  from meshtrain.data import tokenizer as tokenizer_lib
+  from meshtrain.data import tokenization as tokenizer_lib
   theirs = transformers.AutoTokenizer.from_pretrained(sp_run / "hf")
   tokens = np.asarray([theirs.encode(SP_TEXTS[0])[:12], theirs.encode(SP_TEXTS[1])[:12]])
   assert_close(meshtrain_logits(sp_run / "run", tokens), hf_logits(sp_run / "hf", tokens))

@@ -5,15 +5,28 @@ import sys
 import jax
 import numpy as np
 import pytest
-import two_processes
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
 import tensorflow_datasets as tfds
+import two_processes
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from meshtrain.config import base_config
-from meshtrain.data import (BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Batches, decode, encode, global_batch,
-                            make_source, packing, process_rows, sources, stdlib_corpus, tfds_access,
-                            tokenizer)
+from meshtrain.data import (
+  BOS_ID,
+  EOS_ID,
+  PAD_ID,
+  VOCAB_SIZE,
+  Batches,
+  decode,
+  encode,
+  global_batch,
+  make_source,
+  packing,
+  process_rows,
+  sources,
+  stdlib_corpus,
+  tfds_access,
+  tokenization as tokenizer,
+)
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 

@@ -1,4 +1,4 @@
-"""DiT (meshtrain/models/dit.py) and its rectified-flow task (meshtrain/tasks/dit.py): the numbers they promise."""
+"""DiT (meshtrain/models/dit.py) and its rectified-flow task (meshtrain/families/dit.py): the numbers they promise."""
 import math
 
 import flax.linen as nn
@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshtrain import config, layout as layout_lib, mesh as mesh_lib
+from meshtrain import config, layout as layout_lib, mesh as mesh_lib, presets
 from meshtrain.data import digits
 from meshtrain.errors import UserError
-from meshtrain.models import presets
-from meshtrain.tasks import dit as task_lib
+from meshtrain.families import dit as task_lib
 
 B = 16  # batch rows in these tests: divisible by every layout's batch axes below
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from meshtrain import train
+from meshtrain.cli import train
 
 BASE = ["--config", "configs/tiny.py", "--config.steps=4"]
 CASES = {  # extra arguments: fragments the message must contain

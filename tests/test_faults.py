@@ -13,8 +13,9 @@ import time
 
 import pytest
 import xla_fast
-from meshtrain.runtime.launcher import free_port
 from test_recovery import command, losses, run, start, steps_on_disk, wait_for_step
+
+from meshtrain.runtime.launcher import free_port
 
 # Whole training runs in subprocesses under signals, locks and refusals; `-m 'not slow'` leaves them out.
 pytestmark = pytest.mark.slow

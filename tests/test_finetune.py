@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib, train
-from meshtrain.data import sft, stdlib_corpus, tokenizer
+from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib
+from meshtrain.cli import train
+from meshtrain.data import sft, stdlib_corpus, tokenization as tokenizer
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import xla_fast
 
-from meshtrain import checkpoint, config, generate, mesh as mesh_lib, sharding, train
-from meshtrain.inference import generator
+from meshtrain import checkpoint, config, mesh as mesh_lib, sharding
+from meshtrain.cli import generate, train
 from meshtrain.errors import UserError
+from meshtrain.inference import generator, sampling as sampling_lib
 from meshtrain.models.llama import ModelConfig, Transformer
 
 NEW = 64
@@ -82,7 +83,7 @@ def test_kv_cache_greedy_equals_full_recompute_one_device(gen, reference):
 def test_scanned_layer_stack_decodes_the_same(params, reference):
   # The cache with a leading layer axis, carried through nn.scan (Generator's default unrolls the layers).
   scanned = one_device(params, scan_layers=True)
-  prefill, _ = scanned._programs(3, 32, NEW, generator.Sampling(), False)
+  prefill, _ = scanned._programs(3, 32, NEW, sampling_lib.Sampling(), False)
   assert prefill.out_info["cache"].k_NBKSE.shape == (MODEL.num_layers, 3, 8, 32 + NEW - 1, 8)
   assert scanned.generate(PROMPTS, NEW, stop_at_eos=False).token_ids == reference
 
@@ -118,7 +119,7 @@ def test_kv_cache_greedy_equals_full_recompute_on_meshes(params, reference, layo
   sizes, rules = LAYOUTS[layout]
   mesh = mesh_lib.make_mesh(sizes)
   gen = generator.Generator(params, MODEL, mesh=mesh, rules=sharding.rules_for(rules), num_ids=MODEL.vocab_size)
-  prefill, _ = gen._programs(8, 32, NEW, generator.Sampling(), False)  # the program generate() below runs
+  prefill, _ = gen._programs(8, 32, NEW, sampling_lib.Sampling(), False)  # the program generate() below runs
   cache_spec = prefill.output_shardings["cache"].k_NBKSE[0].spec  # layer 0's [B, K, S, E]
   # The cache is sharded like the activations it holds: rows over the batch axes, kv heads over tensor.
   expected = {"data=8": ("data",), "fsdp=8": ("fsdp",), "tensor=8": (None, "tensor")}[layout]
@@ -147,7 +148,7 @@ def test_prompts_in_one_batch_equal_each_alone(gen):
 def test_one_prompt_decodes_beside_a_padding_row_without_copying_the_cache(gen):
   # With a single row, XLA's CPU backend copied every layer's cache (keys transposed) every token; decode runs a
   # padding row beside it (generator.DECODE_MIN_ROWS). That it changes no token: the test above.
-  prefill, decode = gen._programs(1, 16, NEW, generator.Sampling(), False)
+  prefill, decode = gen._programs(1, 16, NEW, sampling_lib.Sampling(), False)
   k_BKSE = prefill.out_info["cache"].k_NBKSE[0]
   assert k_BKSE.shape[0] == 2 and prefill.out_info["out_BT"].shape[0] == 2
   copied = [np.prod([int(n) for n in dims.split(",")]) for dims in
@@ -156,7 +157,7 @@ def test_one_prompt_decodes_beside_a_padding_row_without_copying_the_cache(gen):
 
 
 def test_seeded_sampling_is_reproducible(gen):
-  sampling = generator.Sampling(temperature=1.0, top_k=50, top_p=0.9)
+  sampling = sampling_lib.Sampling(temperature=1.0, top_k=50, top_p=0.9)
   first = gen.generate(PROMPTS, NEW, sampling, seed=3, stop_at_eos=False).token_ids
   assert gen.generate(PROMPTS, NEW, sampling, seed=3, stop_at_eos=False).token_ids == first
   assert gen.generate(PROMPTS, NEW, sampling, seed=4, stop_at_eos=False).token_ids != first
@@ -180,8 +181,8 @@ def test_context_limit_and_bad_input(params):
   with pytest.raises(UserError, match="prompt 0 is 20 tokens.*context.*20"):
     gen.generate([list(range(20))], 4)
   for kwargs, match in [(dict(max_new_tokens=0), "at least 1"),
-                        (dict(sampling=generator.Sampling(-1.0)), "temperature"),
-                        (dict(sampling=generator.Sampling(1.0, top_p=0.0)), "top-p")]:
+                        (dict(sampling=sampling_lib.Sampling(-1.0)), "temperature"),
+                        (dict(sampling=sampling_lib.Sampling(1.0, top_p=0.0)), "top-p")]:
     with pytest.raises(UserError, match=match):
       gen.generate(PROMPTS, **{"max_new_tokens": 4, **kwargs})
 
@@ -203,6 +204,7 @@ def test_generator_api_in_two_processes(params, reference, tmp_path):
   # The importable API in multi-process code: host (numpy) parameters placed over a mesh of both processes'
   # devices, and every process gets the whole Output back.
   import pickle
+
   import two_processes
   (tmp_path / "inputs.pkl").write_bytes(pickle.dumps((params, MODEL, PROMPTS)))
   outputs = two_processes.run(TWO_PROCESS_API, tmp_path, str(tmp_path / "inputs.pkl"), timeout=300)

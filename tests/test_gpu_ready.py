@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from meshtrain import config, layout as layout_lib, mesh as mesh_lib
-from meshtrain.runtime import startup
-from meshtrain.analysis import plan
+from meshtrain.analysis import planner as plan
 from meshtrain.models import attention
+from meshtrain.runtime import startup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "experiments" / "gpu_bench.py")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from meshtrain.analysis import hlo
+from meshtrain.costs import hlo
+from meshtrain.costs.hlo import Collective
 from meshtrain.mesh import AXES, make_mesh
-from meshtrain.analysis.hlo import Collective
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from meshtrain import hooks, train
-from meshtrain.analysis import bench
+from meshtrain import config as config_lib, hooks, loop
 from meshtrain.metrics import MetricsWriter
 
 
@@ -102,12 +101,12 @@ class Probe(hooks.Periodic):
 @pytest.fixture(scope="module")
 def hooked_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("hooks")
-  cfg = train.config_lib.load("configs/tiny.py", [
+  cfg = config_lib.load("configs/tiny.py", [
       "--config.steps=5", "--config.seq_len=32", "--config.log_every=1", "--config.eval_every=0",
       "--config.checkpoint_every=0", "--config.optimizer.warmup_steps=1", "--config.model.num_layers=1",
       "--config.model.num_experts=2", "--config.model.experts_per_token=1"])  # MoE: the loss has metrics of its own
-  probe, clock = Probe(workdir), bench.LoopClock()
-  timing = train.train(cfg, workdir, hooks=[probe, clock])
+  probe, clock = Probe(workdir), hooks.LoopClock()
+  timing = loop.run(cfg, workdir, hooks=[probe, clock])
   return workdir, probe, clock, timing
 
 
@@ -154,8 +153,9 @@ def read_events(directory: pathlib.Path):
 
 
 def test_metrics_writer_image_is_a_tensorboard_image(tmp_path):
-  from PIL import Image
   import io
+
+  from PIL import Image
   image = (np.arange(6 * 4 * 3).reshape(6, 4, 3) * 3).astype(np.uint8)
   writer = MetricsWriter(tmp_path, total_steps=10, start_step=0)
   writer.image("samples", image, step=7)

@@ -5,10 +5,9 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-import two_processes
 import tensorflow_datasets as tfds
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+import two_processes
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import mesh as mesh_lib
 from meshtrain.config import base_config
@@ -267,7 +266,7 @@ def test_two_processes_assemble_the_same_image_batch(digits_dir, tmp_path):
 
 DIT_CONFIG = '''
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():
@@ -292,8 +291,8 @@ def get_config():
 ])
 def test_train_refuses_bad_image_data(digits_dir, tmp_path, capsys, flags, message):
   """Through the train command: exit 2 and one line, before anything is compiled."""
-  pytest.importorskip("meshtrain.tasks.dit")
-  from meshtrain import train  # pylint: disable=g-import-not-at-top
+  pytest.importorskip("meshtrain.families.dit")
+  from meshtrain.cli import train  # pylint: disable=g-import-not-at-top
   (tmp_path / "dit.py").write_text(DIT_CONFIG)
   assert train.main(["--config", str(tmp_path / "dit.py"), "--workdir", str(tmp_path / "run"),
                      f"--config.data.data_dir={digits_dir}", *flags]) == 2

@@ -5,8 +5,10 @@ import sys
 
 import pytest
 
-from meshtrain import config as config_lib, inspect, plan
-from meshtrain.analysis import estimate, inspect as inspect_lib, perf, plan as plan_lib
+from meshtrain import config as config_lib
+from meshtrain.analysis import compiled as inspect_lib, estimate, planner as plan_lib
+from meshtrain.cli import inspect, plan
+from meshtrain.costs import perf
 from meshtrain.errors import UserError
 
 TINY = "configs/tiny.py"

@@ -11,7 +11,7 @@ import pytest
 import xla_fast
 from ckpt_helpers import restore_params
 
-from meshtrain import train
+from meshtrain.cli import train
 
 ARGS = ["--config", "configs/tiny.py", "--config.steps=4", "--config.seq_len=64", "--config.log_every=1",
         "--config.eval_every=4", "--config.eval_batches=1", "--config.checkpoint_every=2",
@@ -75,12 +75,12 @@ def test_launcher_stops_everyone_when_one_fails(tmp_path):
 # "Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out ... 29.99s" and both aborted.
 LATE_PROCESS = """
 import sys, time
-from meshtrain import train
+from meshtrain.cli import train
 from meshtrain.runtime import startup
 initialize = startup._initialize_distributed
-def then_late(jax, cfg, settings):
-  initialize(jax, cfg, settings)
-  jax.devices()  # the backends connect here, all processes together; what comes after is each process's pace
+def then_late(cfg, settings):
+  initialize(cfg, settings)
+  startup.jax.devices()  # the backends connect here, all processes together; what comes after is each process's pace
   if settings["process_id"] == 1:
     time.sleep(float(sys.argv[1]))  # a slow host: loading data, restoring, compiling, or starved of CPU
 startup._initialize_distributed = then_late
@@ -107,7 +107,8 @@ def test_a_process_35_s_late_is_waited_for(tmp_path):
 # table; the other goes on to wait for it at the first step's barrier).
 FAILING_PROCESS = """
 import os, sys
-from meshtrain import layout, runtime, train
+from meshtrain import cli, layout
+from meshtrain.cli import train
 from meshtrain.errors import UserError
 eval_extra = layout.Layout.eval_extra
 def failing(self, *args):
@@ -115,7 +116,7 @@ def failing(self, *args):
     raise UserError("process 1 cannot go on")
   return eval_extra(self, *args)
 layout.Layout.eval_extra = failing
-runtime.run_main(lambda: train.main(sys.argv[1:]))
+cli.run(lambda: train.main(sys.argv[1:]))
 """
 
 

@@ -11,10 +11,10 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_convert import TOKENS, assert_close, hf_greedy, hf_logits, run_convert
-
 import torch
 import transformers
+from test_convert import TOKENS, assert_close, hf_greedy, hf_logits, run_convert
+
 from meshtrain import checkpoint
 from meshtrain.models.llama import ModelConfig, Transformer
 
@@ -156,8 +156,9 @@ def test_exports_the_same_architecture_and_tensors(converted):
 def test_bfloat16_sharded_round_trip_is_exact(variant, tmp_path, monkeypatch):
   """bfloat16 weights in several safetensors shards (save_pretrained's index) in, several shards out: every tensor
   bit-equal and still bfloat16."""
-  from meshtrain.interop import weights
   from safetensors import safe_open
+
+  from meshtrain.interop import weights
   config_class, fields = VARIANTS[variant]
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(config_class(**{**SHAPE, **fields})).to(torch.bfloat16)
@@ -202,6 +203,7 @@ def test_meshtrain_model_exports_to_the_matching_architecture(name, tmp_path):
   """Random parameters of a model with these features (every parameter drawn away from its init, so a wrong
   mapping shows), saved as a checkpoint, exported: transformers computes the same logits."""
   import jax
+
   from meshtrain import config as config_lib
   features, architecture = SCRATCH[name]
   cfg = config_lib.base_config()
@@ -231,8 +233,9 @@ def test_finetune_config_trains_a_converted_model_and_exports_it(tmp_path):
   import subprocess
   import sys
 
-  from meshtrain.interop import hf_tokenizer
   from test_convert import REPO
+
+  from meshtrain.interop import hf_tokenizer
   hf = make(tmp_path / "hf", "qwen2_tied")
   (hf / "tokenizer.json").write_text(hf_tokenizer.byte_tokenizer_json())
   assert run_convert("from-hf", hf, "--workdir", tmp_path / "w") == 0
@@ -295,8 +298,8 @@ PUBLISHED = {
 @pytest.mark.parametrize("preset", PUBLISHED)
 def test_published_configs_read_as_the_presets(preset, tmp_path):
   """The presets (configs/*.py for plan and inspect) are the models from-hf makes of the published config.json."""
+  from meshtrain import presets
   from meshtrain.interop import hf_config
-  from meshtrain.models import presets
   (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[preset]))
   read = hf_config.read(tmp_path)
   ours = presets.model_config(preset).to_dict()

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import two_processes
 
-from meshtrain import config as config_lib, train
-from meshtrain.data import files, mixture, packing, select, sft, stats, tokenizer
-from meshtrain.data import __main__ as data_cli
+from meshtrain import config as config_lib
+from meshtrain.cli import train
+from meshtrain.data import __main__ as data_cli, files, mixture, packing, select, sft, stats, tokenization as tokenizer
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 

@@ -1,13 +1,14 @@
 """inspect's expectation and plan for the DiT (task=dit): the analytic model (meshtrain/analysis/estimate.py with the
-task's cost model, meshtrain/tasks/dit.py) against the compiled train step, and plan's CLI on configs/dit_digits.py."""
+task's cost model, meshtrain/families/dit.py) against the compiled train step, and `plan` on configs/dit_digits.py."""
 import json
 
 import pytest
-
-from meshtrain import config as config_lib, plan, tasks
-from meshtrain.analysis import estimate, inspect as inspect_lib
-from meshtrain.tasks import dit
 from test_bad_input import assert_one_error, run
+
+from meshtrain import config as config_lib, families
+from meshtrain.analysis import compiled as inspect_lib, estimate
+from meshtrain.cli import plan
+from meshtrain.families import dit
 
 DIT = "configs/dit_digits.py"
 LAYERS = 5  # one more than models/dit.py's MAX_AUTO_UNROLL: the blocks run as the loop the analytic model describes
@@ -92,7 +93,7 @@ def test_flops_per_step_is_the_task_formula_per_image():
   remat = estimate.estimate(cfg, sizes)
   assert remat.flops_per_step - remat.model_flops_per_step == pytest.approx(
       cfg.model.num_layers * dit.block_flops(dit.DiTConfig.from_config(cfg.model)) * cfg.batch_size / 8)
-  assert tasks.cost_model(cfg).batch_bytes_per_example(16) == 8 * 8 * 4 + 4 + 4  # image, label, seed
+  assert families.cost_model(cfg).batch_bytes_per_example(16) == 8 * 8 * 4 + 4 + 4  # image, label, seed
 
 
 def test_plan_ranks_dit_layouts_and_verifies_the_best(capsys, tmp_path):

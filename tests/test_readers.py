@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import xla_fast
 
-from meshtrain import checkpoint, config as config_lib, convert, generate, layout as layout_lib, mesh as mesh_lib
-from meshtrain import sample, train
+from meshtrain import checkpoint, config as config_lib, layout as layout_lib, mesh as mesh_lib
 from meshtrain.checkpoint import init_from, reader
+from meshtrain.cli import convert, generate, sample, train
 from meshtrain.errors import UserError
 from meshtrain.interop import hf_tokenizer
 
@@ -200,7 +200,7 @@ def test_a_server_starts_on_the_newest_step_when_its_own_is_deleted(run, tmp_pat
   """serve picks the newest step to read its config before JAX starts; deleted by the run's retention by the time
   its parameters are read, the engine serves and follows the newest step there is then. A step asked for (serve
   --step): a one-line error."""
-  from meshtrain import serve
+  from meshtrain.cli import serve
   from meshtrain.inference.generator import Generator
   w = tmp_path / "w"
   shutil.copytree(run, w)

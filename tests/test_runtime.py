@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from meshtrain import config
-from meshtrain.runtime import cluster, startup
 from meshtrain.errors import UserError
+from meshtrain.runtime import cluster, startup
 
 ROOT = pathlib.Path(__file__).parents[1]
 CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "MESHTRAIN_NUM_PROCESSES", "MESHTRAIN_PROCESS_ID", "JOB_COMPLETION_INDEX",
@@ -133,8 +133,9 @@ import jax
 def capture(**kwargs):
   print(json.dumps(kwargs)); sys.exit(0)
 jax.distributed.initialize = capture
-from meshtrain import config, runtime
-runtime.start(config.base_config())
+from meshtrain import config
+from meshtrain.runtime import startup
+startup.start(config.base_config())
 """
 
 
@@ -162,15 +163,17 @@ class _Jax:
     self.distributed = type("distributed", (), {"initialize": staticmethod(initialize)})
 
 
-def test_initialisation_errors_say_what_failed():
+def test_initialisation_errors_say_what_failed(monkeypatch):
   cfg = config.base_config()
   settings = {"coordinator_address": "n1:61441", "num_processes": 2, "process_id": 1}
   # A late peer (the runtime's own deadline) is reported as one; anything else with the runtime's own words.
   with pytest.raises(UserError, match=r"not all processes reached the coordinator within distributed\.init_timeout_s="
                                       r"300 s \(2 processes, coordinator n1:61441, this one is process 1\)"):
-    startup._initialize_distributed(_Jax(RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")), cfg, settings)
+    monkeypatch.setattr(startup, "jax", _Jax(RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")))
+    startup._initialize_distributed(cfg, settings)
   with pytest.raises(UserError) as e:
-    startup._initialize_distributed(_Jax(ValueError("coordinator_address should be defined.")), cfg, {})
+    monkeypatch.setattr(startup, "jax", _Jax(ValueError("coordinator_address should be defined.")))
+    startup._initialize_distributed(cfg, {})
   assert str(e.value) == ("the JAX distributed runtime did not start (processes and coordinator from Open MPI's "
                           "variables): ValueError: coordinator_address should be defined.")
 
@@ -206,10 +209,11 @@ def test_cluster_examples_are_well_formed():
 # and all-gather attention over 4 sequence shards, outputs and gradients (tests/test_context_attention.py).
 RING_FROM_CACHE = """
 import sys
-from meshtrain import config, runtime
+from meshtrain import config
+from meshtrain.runtime import startup
 cfg = config.base_config()
 cfg.compilation_cache_dir = sys.argv[1]
-runtime.start(cfg)
+startup.start(cfg)
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # cache it however fast it compiles (if on)
 sys.path.insert(0, "tests")

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from meshtrain import checkpoint, sample
-from meshtrain.inference import dit_sampler
+from meshtrain import checkpoint, hooks
+from meshtrain.cli import sample
 from meshtrain.errors import UserError
+from meshtrain.inference import dit_sampler
 
 
 def grid_cell(grid, row, col, cell):
@@ -93,7 +94,9 @@ class FakeWriter:
 def hook_run(tmp_path, monkeypatch, data_name="digits"):
   """A SampleHook and a stand-in for the loop's Run, its sampler replaced by real test digits of the asked classes."""
   import types  # pylint: disable=g-import-not-at-top
+
   import ml_collections  # pylint: disable=g-import-not-at-top
+
   from meshtrain.data import digits  # pylint: disable=g-import-not-at-top
   test_images, test_labels = digits.load_split("test")
 
@@ -110,7 +113,7 @@ def hook_run(tmp_path, monkeypatch, data_name="digits"):
                                        sample=dict(steps=3, guidance=1.5, per_class=5, seed=4)))
   run = types.SimpleNamespace(cfg=cfg, workdir=tmp_path, layout="layout", params="params", writer=FakeWriter(),
                               beat=lambda step, what: None)
-  return dit_sampler.SampleHook(cfg), run
+  return hooks.SampleHook(cfg), run
 
 
 def test_sample_hook(tmp_path, monkeypatch):
@@ -226,7 +229,7 @@ def test_module_entry_point(tmp_path):
 
 TINY_DIT = '''
 from meshtrain.config import base_config
-from meshtrain.models import presets
+from meshtrain import presets
 
 
 def get_config():
@@ -244,8 +247,8 @@ def get_config():
 
 @pytest.fixture(scope="module")
 def dit_run(tmp_path_factory):
-  pytest.importorskip("meshtrain.tasks.dit")  # the DiT task (meshtrain/tasks/dit.py) returns the sample hook
-  from meshtrain import train  # pylint: disable=g-import-not-at-top
+  pytest.importorskip("meshtrain.families.dit")  # the DiT task (meshtrain/families/dit.py) returns the sample hook
+  from meshtrain.cli import train  # pylint: disable=g-import-not-at-top
   root = tmp_path_factory.mktemp("dit")
   (root / "tiny_dit.py").write_text(TINY_DIT)
   assert train.main(["--config", str(root / "tiny_dit.py"), "--workdir", str(root / "run"),

@@ -15,13 +15,12 @@ import numpy as np
 import openai
 import pytest
 import xla_fast
+from test_generate import random_params, train_tiny
 
 from meshtrain import config, mesh as mesh_lib, sharding
 from meshtrain.errors import UserError
-from meshtrain.inference import engine as engine_lib, generator
+from meshtrain.inference import engine as engine_lib, generator, sampling
 from meshtrain.models.llama import ModelConfig
-
-from test_generate import random_params, train_tiny
 
 MODEL = dataclasses.replace(ModelConfig.from_config(config.base_config().model), num_layers=2, num_heads=16,
                             num_kv_heads=8, head_dim=8)
@@ -134,10 +133,10 @@ def test_the_next_call_is_dispatched_before_the_last_is_read_unless_a_request_le
 def test_prompt_buckets_pad_at_most_a_quarter_with_four_per_doubling():
   """Multiples of 16 up to 128 tokens, then an eighth of the next power of two: few compiled prefills for a long
   context (32 for 8K, not 512), none padding a prompt by more than a quarter past 128 tokens."""
-  assert [generator.bucket(n) for n in (1, 16, 17, 100, 128, 129, 160, 161, 257, 300, 1000, 1025)] == \
+  assert [sampling.bucket(n) for n in (1, 16, 17, 100, 128, 129, 160, 161, 257, 300, 1000, 1025)] == \
       [16, 16, 32, 112, 128, 160, 160, 192, 320, 320, 1024, 1280]
-  assert len({generator.bucket(n) for n in range(1, 8193)}) == 32
-  assert all(n <= generator.bucket(n) <= max(n + 15, 1.25 * n) for n in range(1, 8193))
+  assert len({sampling.bucket(n) for n in range(1, 8193)}) == 32
+  assert all(n <= sampling.bucket(n) <= max(n + 15, 1.25 * n) for n in range(1, 8193))
 
 
 def test_decode_attends_over_the_slots_in_use_not_the_context(params):
@@ -463,7 +462,7 @@ def test_bad_arguments_exit_2_before_jax(workdir, tmp_path):
 
 
 def test_bfloat16_on_the_cpu_gets_a_note():
-  from meshtrain.serve import cpu_dtype_note
+  from meshtrain.inference.serving import cpu_dtype_note
   note = cpu_dtype_note("cpu", "bfloat16")
   assert "bfloat16" in note and "--config.model.dtype=float32" in note
   assert all(cpu_dtype_note(p, d) is None for p, d in [("cpu", "float32"), ("cpu", "float16"), ("gpu", "bfloat16")])
@@ -540,6 +539,7 @@ def test_a_full_queue_is_429_with_retry_after(gen):
   """The server's queue bound, with an engine that never takes a request (its thread not started): the first two
   choices wait, the third is refused with 429 and Retry-After, and the refusal is counted."""
   import uvicorn
+
   from meshtrain.inference.server import Server
   server = Server(engine_lib.Engine(gen, slots=1, max_queue=2), "random")
   web = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
@@ -576,7 +576,8 @@ def test_live_checkpoints_swap_in_without_compiling(tmp_path):
   name the step that answered."""
   import os
   import shutil
-  from meshtrain import train
+
+  from meshtrain.cli import train
   from meshtrain.inference.live import LiveCheckpoints
   run = tmp_path / "run"
   assert train.main(["--config", "configs/tiny.py", "--workdir", str(run), "--config.steps=4",
@@ -662,9 +663,11 @@ def test_images_from_a_dit_run(tmp_path):
   response is a 400; the completion endpoints say where to go."""
   import base64
   import io
+
   from PIL import Image
-  from meshtrain import sample, train
   from test_sample import TINY_DIT
+
+  from meshtrain.cli import sample, train
   (tmp_path / "tiny_dit.py").write_text(TINY_DIT)
   run = tmp_path / "dit"
   assert train.main(["--config", str(tmp_path / "tiny_dit.py"), "--workdir", str(run),

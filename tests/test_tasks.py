@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, layout as layout_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
-from meshtrain.runtime import host
 from meshtrain.models import moe
+from meshtrain.runtime import host
 from meshtrain.tasks import dit_config as dit_fields
 
 

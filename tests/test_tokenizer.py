@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import layout as layout_lib, mesh as mesh_lib, tokenizer as tokenizer_cli, train
+from meshtrain import layout as layout_lib, mesh as mesh_lib
+from meshtrain.cli import tokenizer as tokenizer_cli, train
 from meshtrain.config import base_config
-from meshtrain.data import packing, select, tokenizer
+from meshtrain.data import packing, select, tokenization as tokenizer
 from meshtrain.errors import UserError
 
 TEXTS = [

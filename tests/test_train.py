@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 from ckpt_helpers import restore_params
 
-from meshtrain import train
+from meshtrain.cli import train
 
 FAST = ["--config", "configs/tiny.py", "--config.steps=6", "--config.seq_len=64", "--config.log_every=1",
         "--config.eval_every=3", "--config.eval_batches=1", "--config.checkpoint_every=3",

@@ -5,7 +5,8 @@ devices, on the same data: MaxText's synthetic batch (one fixed random batch, re
 recreates bit for bit and hands to `meshtrain.bench --tokens`. For each device count, round-robin `--rounds`
 times: (a) MaxText's own trainer (experiments/peer_maxtext/.venv, made by setup.sh) as a subprocess, tokens/s
 from the median of its per-step seconds after `--warmup` steps; (b) `python -m meshtrain.bench`, likewise.
-Writes a table to stdout, results.json, tokens_per_sec.png and loss.png next to this file; raw logs go to logs/.
+Writes a table to stdout, and results.json, tokens_per_sec.png and loss.png to benchmarks/results/peer_maxtext/;
+raw logs go to logs/ next to this file (git-ignored).
 See README.md.
 """
 import argparse
@@ -27,6 +28,7 @@ MAXTEXT_PY = HERE / ".venv" / "bin" / "python"
 MARKER = HERE / ".venv" / ".peer_maxtext_installed"  # written by setup.sh when the install finished
 MESHTRAIN_PY = pathlib.Path(sys.executable)
 LOGS = HERE / "logs"
+RESULTS = REPO / "benchmarks" / "results" / "peer_maxtext"
 
 TARGET_CONFIG = "configs/maxtext_tiny.py"  # the lead engineer's config with exactly the MaxText shape
 FALLBACK_CONFIG = "configs/tiny.py"
@@ -356,7 +358,7 @@ def plot(rows, runs, train_runs, args, vocab):
                f"median of {args.steps} steps x {args.rounds} round(s); whiskers: min/max over rounds", fontsize=9)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(HERE / "tokens_per_sec.png", dpi=120)
+  fig.savefig(RESULTS / "tokens_per_sec.png", dpi=120)
   plt.close(fig)
 
   fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False, sharey=True)
@@ -379,7 +381,7 @@ def plot(rows, runs, train_runs, args, vocab):
   axes[0][0].set_ylabel("training loss")
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(HERE / "loss.png", dpi=120)
+  fig.savefig(RESULTS / "loss.png", dpi=120)
   plt.close(fig)
 
 
@@ -469,9 +471,10 @@ def main() -> int:
                    "meshtrain_bench": runs[n]["meshtrain"], "meshtrain_train": train_runs.get(n)}
                for n in args.devices},
   }
-  (HERE / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  (RESULTS / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
   plot(rows, runs, train_runs, args, vocab)
-  print(f"\nwrote {HERE.relative_to(REPO)}/results.json, tokens_per_sec.png, loss.png; logs in "
+  print(f"\nwrote {RESULTS.relative_to(REPO)}/results.json, tokens_per_sec.png, loss.png; logs in "
         f"{LOGS.relative_to(REPO)}/")
   return 1 if errors else 0
 

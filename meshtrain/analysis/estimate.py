@@ -2,7 +2,7 @@
 
 `python -m meshtrain.inspect` prints these expectations next to what XLA compiled; `python -m meshtrain.plan`
 ranks every layout of a cluster with them. Nothing here allocates arrays or needs the devices it describes, and
-nothing here knows the model family: the task's cost model (`tasks.cost_model(cfg)`, the contract in
+nothing here knows the model family: the task's cost model (`families.cost_model(cfg)`, the contract in
 meshtrain/tasks/__init__.py) gives the parameter table, the block stack to trace, the model-specific parts of the
 working set, the FLOPs per example and the collectives its blocks force; this module does the arithmetic:
   - parameter and optimizer bytes: the parameter table (shapes, logical axes) under the layout's rules;
@@ -28,9 +28,8 @@ import ml_collections
 from jax._src.interpreters import partial_eval as pe  # jit's own dead-code elimination, not public API
 from jax.extend import core as jcore
 
-from meshtrain import mesh as mesh_lib, optim, sharding, tasks
-from meshtrain.analysis import costs
-from meshtrain.analysis.hlo import Collective
+from meshtrain import costs, families, mesh as mesh_lib, optim, sharding
+from meshtrain.costs.hlo import Collective
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -157,7 +156,7 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
 
   Raises UserError (from the parameter table) when a dimension does not split evenly.
   """
-  model = tasks.cost_model(cfg)
+  model = families.cost_model(cfg)
   boxed = model.abstract_params() if boxed_params is None else boxed_params
   mesh, rules = rules_for_layout(cfg, sizes)
   table = sharding.param_table(boxed, mesh, rules)
@@ -202,7 +201,7 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   # The backward of one layer holds, at its peak, about one layer's residuals again: the slices it reads (XLA
   # copies those it cannot fuse into their consumers) and the cotangents it writes; under remat, the recomputed
   # forward's residuals. On top of those, what the task's block holds at that peak beyond its residuals
-  # (`stack.backward_peak`: the LM's MLP gradients, see meshtrain/tasks/lm.py), the layer's weights as it uses
+  # (`stack.backward_peak`: the LM's MLP gradients, see meshtrain/families/lm.py), the layer's weights as it uses
   # them (sliced out of the stacked parameters, gathered under FSDP), and the gradient of the residual stream
   # that the backward loop carries from layer to layer, [b, l, D].
   backward = rows * (residuals(stack.without_remat()).layer + stack.backward_peak(l, act))

@@ -16,8 +16,14 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from meshtrain.checkpoint.integrity import (INTEGRITY_KEY, CheckpointDamaged, digest, enable_array_checksums,
-                                           restore_problem, verified_meta)
+from meshtrain.checkpoint.integrity import (
+  INTEGRITY_KEY,
+  CheckpointDamaged,
+  digest,
+  enable_array_checksums,
+  restore_problem,
+  verified_meta,
+)
 from meshtrain.checkpoint.orbax_output import BackgroundOutput, stderr_to
 from meshtrain.errors import RunAborted, UserError
 

@@ -12,15 +12,18 @@ import os
 import pathlib
 import tempfile
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from meshtrain import sharding
 from meshtrain.checkpoint.checkpointer import REQUIRED
 from meshtrain.checkpoint.integrity import CheckpointDamaged, restore_problem, verified_meta
 from meshtrain.checkpoint.orbax_output import BackgroundOutput, quiet_absl, stderr_to
 from meshtrain.errors import UserError
+from meshtrain.models.llama import ModelConfig, Transformer
 
 
 def checkpoint_steps(workdir) -> list[int]:
@@ -252,9 +255,6 @@ class _ParamsSource:
 def _param_shardings(meta: dict, mesh, rules, stored, workdir, step):
   """NamedShardings of the checkpoint's params on `mesh`, from the model's logical axis names and the rules."""
   # Flax and the model only here: a command that reads only meta items or host arrays does not import them.
-  import flax.linen as nn
-  from meshtrain import sharding
-  from meshtrain.models.llama import ModelConfig, Transformer
   model_cfg = ModelConfig.from_config(meta["config"]["model"])
   boxed = jax.eval_shape(Transformer(model_cfg).init, jax.random.key(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))
   boxed = boxed["params"]

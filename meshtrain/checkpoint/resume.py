@@ -1,9 +1,10 @@
 """Resume or start fresh: the checks a checkpoint passes before a run continues it, and what decides between
 resuming the workdir's own checkpoints and starting from `--config.init_from` (or from scratch).
 
-A workdir with checkpoints resumes them, whatever init_from says, so a fine-tuning source deleted since the run
-started does not stop its resumption. Every refusal is a UserError naming the step, what differs and the flag
-that resumes it, raised before anything is compiled.
+The loop enters here once, `begin(cfg, workdir)`, and keeps the `Resume` it returns: it restores (`restore`) and
+names what every checkpoint records (`checkpoint_meta`). A workdir with checkpoints resumes them, whatever init_from
+says, so a fine-tuning source deleted since the run started does not stop its resumption. Every refusal is a
+UserError naming the step, what differs and the flag that resumes it, raised before anything is compiled.
 """
 import dataclasses
 import pathlib
@@ -11,14 +12,8 @@ from collections.abc import Callable
 
 from meshtrain import config as config_lib
 from meshtrain.checkpoint import init_from, reader
-from meshtrain.data import tokenizer as tokenizer_lib
+from meshtrain.data import tokenization as tokenizer_lib
 from meshtrain.errors import UserError
-
-
-def fine_tune_source(cfg, workdir: pathlib.Path) -> init_from.Source | None:
-  """The checkpoint a fine-tuning run starts from, checked first (it exists, its model is this run's); None when
-  not fine-tuning or when the workdir has checkpoints of its own to resume."""
-  return init_from.resolve(cfg) if cfg.init_from and not reader.checkpoint_steps(workdir) else None
 
 
 def converted_error(workdir) -> UserError:
@@ -99,25 +94,49 @@ class ResumeCheck:
       self.log(f"resuming with {key} changed: {old!r} -> {new!r}")
 
 
-def restore(ckpt, cfg, workdir: pathlib.Path, layout, tok, init: init_from.Source | None,
-            log: Callable[[str], None]) -> tuple[int | None, object, dict | None]:
-  """(step, state, init record) of the newest usable checkpoint, restored straight into this run's shardings
-  (another mesh or process count needs no conversion); (None, None, record) when the run starts fresh. The init
-  record (where a fine-tuning run's parameters came from) goes into every checkpoint of the run, resumed or not."""
-  check = ResumeCheck(cfg, workdir, ckpt.directory, layout.task.shape_fields, layout.layer_order, tok, log)
-  start, state, resumed_meta = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
-  if start is not None and cfg.init_from:
-    log(f"init_from={cfg.init_from!r} is ignored: {workdir} has checkpoints of its own, resuming from step {start}")
-  if init is not None and layout.layer_order != "sequential":
-    raise UserError(f"init_from needs the layers in sequential order, but this run stores them in "
-                    f"{layout.layer_order} order; fine-tune with pipeline.schedule=gpipe or pipeline.repeats=1")
-  init_record = init.describe() if init is not None else (resumed_meta or {}).get("init_from")
-  return start, state, init_record
+def begin(cfg, workdir: pathlib.Path) -> "Resume":
+  """The run's one entry here, before it takes the workdir's lock: a converted model's workdir is refused (nothing is
+  written there), and a fine-tuning source is checked first (it exists, its model is this run's); none when not
+  fine-tuning or when the workdir has checkpoints of its own to resume."""
+  refuse_converted(workdir)
+  init = init_from.resolve(cfg) if cfg.init_from and not reader.checkpoint_steps(workdir) else None
+  return Resume(cfg, workdir, init)
 
 
-def checkpoint_meta(cfg, layout, tok, init_record: dict | None) -> dict:
-  """What every checkpoint of this run records besides the data position: what ResumeCheck reads back (config,
-  task, layer order, tokenizer) and, for a fine-tuning run, where its parameters came from."""
-  return {"config": cfg.to_dict(), "task": cfg.task, "layer_order": layout.layer_order,
-          **({"tokenizer": tok.describe()} if tok is not None else {}),
-          **({"init_from": init_record} if init_record else {})}
+@dataclasses.dataclass
+class Resume:
+  """Where a run starts: its workdir's newest usable checkpoint, `init` (the fine-tuning source), or scratch; and
+  what every checkpoint of the run records about it (`checkpoint_meta`)."""
+  cfg: object
+  workdir: pathlib.Path
+  init: init_from.Source | None    # the checkpoint a fine-tuning run starts from; None otherwise
+  init_record: dict | None = None  # where a fine-tuning run's parameters came from, in every checkpoint's meta
+
+  def restore(self, ckpt, layout, tok, log: Callable[[str], None]) -> tuple[int | None, object]:
+    """(step, state) of the newest usable checkpoint, restored straight into this run's shardings (another mesh or
+    process count needs no conversion); (None, None) when the run starts fresh."""
+    cfg, init = self.cfg, self.init
+    check = ResumeCheck(cfg, self.workdir, ckpt.directory, layout.task.shape_fields, layout.layer_order, tok, log)
+    start, state, resumed_meta = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
+    if start is not None and cfg.init_from:
+      log(f"init_from={cfg.init_from!r} is ignored: {self.workdir} has checkpoints of its own, resuming from step "
+          f"{start}")
+    if init is not None and layout.layer_order != "sequential":
+      raise UserError(f"init_from needs the layers in sequential order, but this run stores them in "
+                      f"{layout.layer_order} order; fine-tune with pipeline.schedule=gpipe or pipeline.repeats=1")
+    self.init_record = init.describe() if init is not None else (resumed_meta or {}).get("init_from")
+    return start, state
+
+  def started_fresh(self) -> None:
+    """The run initialised its state: from init_from's step as loaded (a live source may have deleted the one
+    resolved meanwhile), or from scratch."""
+    if self.init is not None:
+      self.init_record = self.init.describe()
+
+  def checkpoint_meta(self, layout, tok) -> dict:
+    """What every checkpoint of this run records besides the data position: what ResumeCheck reads back (config,
+    task, layer order, tokenizer) and, for a fine-tuning run, where its parameters came from."""
+    cfg = self.cfg
+    return {"config": cfg.to_dict(), "task": cfg.task, "layer_order": layout.layer_order,
+            **({"tokenizer": tok.describe()} if tok is not None else {}),
+            **({"init_from": self.init_record} if self.init_record else {})}

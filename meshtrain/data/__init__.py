@@ -4,7 +4,7 @@ prompt/completion and chat rows, mixtures, labelled image batches (task=dit), an
 to the train loop.
 
 Modules, lowest first (each imports only modules listed before it):
-  tokenizer      tokenizers: bytes, Hugging Face tokenizer.json, SentencePiece; training a byte-level BPE
+  tokenization   tokenizers: bytes, Hugging Face tokenizer.json, SentencePiece; training a byte-level BPE
   chat           chat templates: conversations rendered and encoded as transformers' apply_chat_template does
   tfds_access    opening a TFDS split (and saying why it cannot be), building the local datasets, the cache lock
   files          a user's .jsonl/.json/.parquet/.txt files or `datasets` directory, converted once to a TFDS dataset
@@ -19,7 +19,7 @@ Modules, lowest first (each imports only modules listed before it):
   loader         global batches on the devices, and `Batches`, the train loop's prefetching input
   stats          what the first steps' batches hold, per source: `python -m meshtrain.data stats` and `show`
 
-The package imports its modules when they are first used (`data.make_source`, `data.tokenizer`, ...), so that JAX,
+The package imports its modules when they are first used (`data.make_source`, `data.tokenization`, ...), so that JAX,
 TFDS and grain load only with what needs them: `synthetic` data works where TFDS and grain are not installed, and
 the commands check a chat file (meshtrain.data.chat) before JAX loads.
 """
@@ -27,9 +27,9 @@ import importlib
 
 # name -> the module defining it; the package's own API, imported on first use.
 _EXPORTS = {"Batches": "loader", "global_batch": "loader", "process_rows": "loader", "make_source": "select",
-            "tokenizer_for_config": "select", "Source": "sources", "PAD_ID": "tokenizer", "EOS_ID": "tokenizer",
-            "BOS_ID": "tokenizer", "VOCAB_SIZE": "tokenizer", "encode": "tokenizer", "decode": "tokenizer"}
-_MODULES = ("tokenizer", "chat", "tfds_access", "files", "stdlib_corpus", "digits", "sources", "packing", "sft",
+            "tokenizer_for_config": "select", "Source": "sources", "PAD_ID": "tokenization", "EOS_ID": "tokenization",
+            "BOS_ID": "tokenization", "VOCAB_SIZE": "tokenization", "encode": "tokenization", "decode": "tokenization"}
+_MODULES = ("tokenization", "chat", "tfds_access", "files", "stdlib_corpus", "digits", "sources", "packing", "sft",
             "mixture", "images", "select", "loader", "stats")
 
 __all__ = [*_MODULES, *_EXPORTS]

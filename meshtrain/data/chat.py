@@ -26,6 +26,11 @@ import functools
 import json
 import pathlib
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+
+from meshtrain.data import tokenization as tokenizer_lib
 from meshtrain.errors import UserError
 
 # The names transformers always passes as template variables when the tokenizer has them (its
@@ -130,14 +135,13 @@ class ChatTemplate:
   """A tokenizer's chat template(s), its special-token variables, and how its rendered text is encoded."""
   templates: str | dict[str, str]  # one template, or several by name (tokenizer_config.json's list form)
   special_tokens: dict[str, str]
-  tokenizer: object  # meshtrain.data.tokenizer.Tokenizer
+  tokenizer: object  # meshtrain.data.tokenization.Tokenizer
   split_special_tokens: bool = False
   source: str = ""  # where the template was read, for messages
 
   @classmethod
   def from_directory(cls, directory, tokenizer) -> "ChatTemplate | None":
     """The template of the tokenizer files in `directory` (None if there is none), for `tokenizer` (theirs)."""
-    from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: after the command's checks
     directory = pathlib.Path(directory)
     templates = tokenizer_lib.chat_template(directory)
     if templates is None:
@@ -155,7 +159,6 @@ class ChatTemplate:
   def for_workdir(cls, workdir) -> "ChatTemplate":
     """The template that travels with the run in `workdir` (WORKDIR/tokenizer/), for its tokenizer; UserError
     saying how to give one where there is none."""
-    from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: after the command's checks
     directory = pathlib.Path(workdir) / tokenizer_lib.WORKDIR_SUBDIR
     chat = cls.from_directory(directory, tokenizer_lib.from_workdir(workdir))
     if chat is None:
@@ -183,7 +186,6 @@ class ChatTemplate:
   def _render(self, messages, tools, add_generation_prompt, variables, generation_spans: list | None) -> str:
     """render(); with `generation_spans` a list, the [start, end) of each `{% generation %}` block's text in the
     result are appended to it (transformers' AssistantTracker)."""
-    import jinja2  # only where a template is rendered
     messages = [with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
     try:
       template = compile_template(self.template(tools))
@@ -259,9 +261,6 @@ class ChatTemplate:
 @functools.lru_cache(maxsize=8)
 def compile_template(source: str):
   """`source` compiled in the environment transformers renders chat templates in (see the module docstring)."""
-  import jinja2  # only where a template is compiled
-  import jinja2.ext
-  import jinja2.sandbox
 
   class GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (marks the assistant's tokens in transformers' masks): its body."""

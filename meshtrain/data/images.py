@@ -8,7 +8,7 @@ seeded by (seed, dataset, split) like the text sources; without it, records in o
 
 Rows are {"images": float32[n, H, W, C] in [-1, 1], "labels": int32[n], "seeds": uint32[n]}. `seeds[r]` is the
 row's own 32-bit seed, a hash of (seed, split, global example index): the DiT task draws the row's noise, time and
-label dropout from it (meshtrain/tasks/dit.py), so a row's loss is the same on any layout, micro-batching or
+label dropout from it (meshtrain/families/dit.py), so a row's loss is the same on any layout, micro-batching or
 process count, and the training step needs no PRNG state.
 
 Any TFDS dataset with an image feature (data.image_key, uint8, fixed size) and a ClassLabel feature

@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from meshtrain import config as config_lib
-from meshtrain.data import files, sources, tfds_access, tokenizer
+from meshtrain.data import files, sources, tfds_access, tokenization as tokenizer
 from meshtrain.errors import UserError
 from meshtrain.step import IGNORE_ID
 

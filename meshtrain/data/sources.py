@@ -13,7 +13,7 @@ import hashlib
 
 import numpy as np
 
-from meshtrain.data import tokenizer
+from meshtrain.data import tokenization as tokenizer
 
 SYNTHETIC = "synthetic"  # data.name of random data: no files, endless (tokens here, images in images.py)
 # grain's index_shuffle walks cycles over a fixed-size domain, so its cost grows like 1/n for small n

@@ -1,37 +1,34 @@
-"""A trained DiT's samples: the compiled sampler, the labelled PNG grid and the raw samples, and the training-time
-hook that draws a grid (and, on digits, scores it) at eval_every. `python -m meshtrain.sample` is the command.
+"""A trained DiT's samples: the compiled sampler, the labelled PNG grid and the raw samples.
+`python -m meshtrain.sample` is the command.
 
-The whole sampler (noise, `steps` Euler steps from t = 1 to 0 with classifier-free guidance, meshtrain/tasks/dit.py
+The whole sampler (noise, `steps` Euler steps from t = 1 to 0 with classifier-free guidance, meshtrain/families/dit.py
 `sample`) is one compiled device program whose images are split over the mesh's batch axes. Image k of class c
 starts from the noise of (seed, c, k): the same image whatever other classes, counts or mesh are asked for, so the
 command reproduces the grid the run drew at the same step and settings.
 
-During training the same sampler runs as a hook (`SampleHook`, returned by the DiT task's `hooks`): at eval_every
-and at the end it writes WORKDIR/samples/step_N.png, a TensorBoard image and, on digits, sample_accuracy and
-sample_frechet into metrics.jsonl.
+During training the same sampler runs as a hook (meshtrain/hooks.py `SampleHook`): at eval_every and at the end it
+writes WORKDIR/samples/step_N.png, a TensorBoard image and, on digits, sample_accuracy and sample_frechet into
+metrics.jsonl.
 
-JAX, Pillow and the digits judge are imported inside the functions that use them: the command imports this module
-to check its arguments before meshtrain.runtime.start has set the XLA flags, and a run without pictures (no
-Pillow) still trains.
+Pillow is imported where a grid is drawn: the GPU machines carry none, and a run there trains without pictures.
+What a request may ask is checked before JAX loads, in meshtrain/inference/dit_request.py.
 """
 import math
 import pathlib
 
-import ml_collections
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import config as config_lib, hooks
+from meshtrain import checkpoint, layout as layout_lib, mesh as mesh_lib, sharding
 from meshtrain.data import digits
 from meshtrain.inference import quality  # imports scikit-learn only when a judge is made
-from meshtrain.errors import UserError
-from meshtrain.runtime import host
 
 GRID_CELL_PX = 48  # images are upscaled (nearest neighbour, whole multiples) to at least this many pixels high
 GRID_GAP_PX = 2    # between cells, in the background grey
 GRID_BACKGROUND = 96  # mid-dark grey: apart from digits' black background and their white strokes
 SAMPLES_DIR = "samples"  # under the workdir: the training-time grids, step_N.png
-# What sampling may change of a run's config: where and how it runs, never the model (that comes from the checkpoint).
-OVERRIDABLE = ("mesh.", "sharding.", "cpu_devices", "xla_flags", "compilation_cache_dir")
 
 
 # --- the grid ------------------------------------------------------------------------------------------------
@@ -40,7 +37,7 @@ OVERRIDABLE = ("mesh.", "sharding.", "cpu_devices", "xla_flags", "compilation_ca
 def grid_image(images01_NHWC, labels_N) -> np.ndarray:
   """uint8[H', W', C]: one row per class (ascending), its label in a square on the left, then that class's images
   in their order, each upscaled by a whole factor to >= GRID_CELL_PX pixels; C is the images' (1 or 3)."""
-  from PIL import Image, ImageDraw, ImageFont  # pylint: disable=g-import-not-at-top
+  from PIL import Image, ImageDraw, ImageFont  # the GPU machines carry no Pillow: a run there trains without grids
   images01_NHWC, labels_N = np.asarray(images01_NHWC, np.float32), np.asarray(labels_N).reshape(-1)
   if images01_NHWC.ndim != 4 or images01_NHWC.shape[-1] not in (1, 3) or len(labels_N) != len(images01_NHWC):
     raise ValueError(f"a grid needs images [N, H, W, 1 or 3] and N labels, got {list(images01_NHWC.shape)} and "
@@ -80,7 +77,7 @@ def grid_image(images01_NHWC, labels_N) -> np.ndarray:
 def save_grid(path, images01_NHWC, labels_N) -> np.ndarray:
   """Writes the labelled grid of `images01_NHWC` (pixels in [0, 1], one label each) to `path` as a PNG; returns it
   (uint8[H', W', C], what TensorBoard gets)."""
-  from PIL import Image  # pylint: disable=g-import-not-at-top
+  from PIL import Image  # as grid_image
   grid = grid_image(images01_NHWC, labels_N)
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,59 +114,16 @@ def class_labels(classes, per_class: int) -> tuple[np.ndarray, np.ndarray]:
 # --- the compiled sampler ------------------------------------------------------------------------------------
 
 
-MAX_STEPS = 10_000  # Euler steps: DiTs sample in 25-250; more is a typo that would run for hours without a word
-
-
-def check_request(cfg, images: int, steps: int) -> None:
-  """Refuses, before JAX starts, a sample the host could not hold or would not finish: the activations of one
-  Euler step (the grid twice over under guidance: conditional and unconditional rows, each a [tokens, mlp_dim]
-  float32 array) against this host's memory, and more than MAX_STEPS steps."""
-  if steps > MAX_STEPS:
-    raise UserError(f"--steps {steps:,} is more than {MAX_STEPS:,} Euler steps (the DiT samples well in 25-250); pass "
-                    "fewer")
-  m = cfg.model
-  tokens = (m.get("image_size", 1) // m.get("patch_size", 1)) ** 2
-  needed = 2 * images * tokens * max(m.get("mlp_dim", 1), 4 * m.get("d_model", 1)) * 4
-  if needed > (memory := host.host_memory_bytes()):
-    raise UserError(f"{images:,} images ({tokens} tokens each) need about {needed / 1e9:,.1f} GB for one sampling "
-                    f"step, more than this host's {memory / 1e9:,.1f} GB; pass fewer classes or a smaller --per-class")
-
-
-def run_config(saved: dict, overrides: list[str]):
-  """The config a sampler of the run whose checkpointed config is `saved` builds its layout from: the run's model,
-  data and sample settings, base_config's mesh, sharding and device settings (the training mesh may not exist here;
-  one device by default), then `overrides` ("--config.mesh.data=2", ...) of those only."""
-  cfg = config_lib.base_config()
-  for key in ("task", "seed", "model", "data", "sample"):
-    if key in saved:
-      value = saved[key]
-      cfg[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
-  # One device by default on the CPU: simulated devices are threads sharing the same cores. --config.cpu_devices=8
-  # with mesh overrides simulates a mesh, as train does.
-  cfg.cpu_devices = 1
-  for item in overrides:
-    key = config_lib.apply_override(cfg, item)
-    if not key.startswith(OVERRIDABLE):
-      raise UserError(f"--config.{key} cannot be set for sampling (the model comes from the checkpoint); only "
-                      "mesh.*, sharding.*, cpu_devices, xla_flags and compilation_cache_dir")
-  cfg.optimizer.grad_accum_steps = 1
-  return cfg
-
-
 class Sampler:
   """A DiT's sampler compiled for a layout's mesh: (params, labels, seed) -> images float32[N, H, W, C] in [0, 1].
 
-  One jitted program: per-image noise from (seed, label, k), then the DiT task's `sample` (meshtrain/tasks/dit.py:
+  One jitted program: per-image noise from (seed, label, k), then the DiT task's `sample` (meshtrain/families/dit.py:
   Euler steps with classifier-free guidance), its rows split over the mesh's batch axes (the count is padded to a
   multiple of them); labels go in and images come out replicated, so every process of a multi-process run holds
   them all.
   """
 
   def __init__(self, layout, steps: int, guidance: float):
-    import jax  # pylint: disable=g-import-not-at-top
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-    from meshtrain import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
     self.layout, self.steps, self.guidance = layout, int(steps), float(guidance)
     mc = layout.cfg.model
     shape = (mc.image_size, mc.image_size, mc.channels)
@@ -190,7 +144,6 @@ class Sampler:
                            out_shardings=replicated)
 
   def __call__(self, params, labels_N, index_N, seed: int) -> np.ndarray:
-    import jax  # pylint: disable=g-import-not-at-top
     n = len(labels_N)
     padded = -(-n // self.ways) * self.ways
     pad = lambda a: np.concatenate([np.asarray(a, np.int32), np.zeros(padded - n, np.int32)])
@@ -207,41 +160,16 @@ def judge_for(data_name: str, image_shape):
   return quality.judge()
 
 
-class SampleHook(hooks.Periodic):
-  """At eval_every and at the end of a DiT run: sample.per_class images of every class with the run's `sample`
-  settings, write WORKDIR/samples/step_N.png and the TensorBoard image `samples`, and on digits log sample_accuracy
-  and sample_frechet (meshtrain/inference/quality.py) to metrics.jsonl. The DiT task returns it from `hooks(run)`."""
-
-  def __init__(self, cfg):
-    super().__init__(cfg.eval_every)
-    self._sampler = None
-    self._judge = None
-    self._warned = False
-
-  def run_at(self, step: int, run) -> None:
-    import jax  # pylint: disable=g-import-not-at-top
-    cfg, s = run.cfg, run.cfg.sample
-    run.beat(step, "sampling images")
-    if self._sampler is None:
-      self._sampler = Sampler(run.layout, s.steps, s.guidance)
-    labels, index = class_labels(range(cfg.model.num_classes), s.per_class)
-    images = self._sampler(run.params, labels, index, s.seed)  # every process: one program over the whole mesh
-    if jax.process_index() != 0:
-      return
-    path = pathlib.Path(run.workdir) / SAMPLES_DIR / f"step_{step}.png"
-    try:
-      grid = save_grid(path, images, labels)
-      run.writer.image("samples", grid, step)
-    except ImportError as e:  # e.g. the GPU machines carry no pillow: the run goes on without pictures
-      if not self._warned:
-        run.writer.print(f"step {step}: no sample grid ({e}); pip install pillow to get one")
-      self._warned, path = True, None
-    if self._judge is None:
-      self._judge = judge_for(cfg.data.name, images.shape[1:]) or False
-    if self._judge:
-      scores = self._judge.score(images, labels)
-      run.writer.write({"step": step, **scores})
-      run.writer.print(f"step {step}: sample accuracy {scores['sample_accuracy']:.3f}, Frechet distance "
-                       f"{scores['sample_frechet']:.2f}" + (f" ({path})" if path else ""))
-    elif path:
-      run.writer.print(f"step {step}: samples in {path}")
+def sample_workdir(cfg, workdir, step: int, asked: bool, classes, per_class: int, steps: int, guidance: float,
+                   seed: int):
+  """(images float32[N, H, W, C], labels int32[N], step): `per_class` samples of each of `classes` from the DiT run
+  in `workdir` at `step` (or, unless `asked`, the newest if a live run's retention deleted it), on cfg's mesh."""
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  # The layout's batch is the grid, padded to the mesh's batch axes (as the sampler pads it), so layout's batch
+  # check holds on any mesh; the training batch size plays no part in sampling.
+  ways = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
+  cfg.batch_size = -(-len(classes) * per_class // ways) * ways
+  layout = layout_lib.build(cfg, mesh)
+  params, _, step = checkpoint.read_params(workdir, step, asked, mesh=mesh, shardings=layout.state_sharding.params)
+  labels, index = class_labels(classes, per_class)
+  return Sampler(layout, steps, guidance)(params, labels, index, seed), labels, step

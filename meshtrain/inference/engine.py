@@ -5,7 +5,7 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
 - one KV cache of [slots, S] rows (S: the context plus the longest padding a prompt bucket adds), sharded by the
   same logical rules as training (`cache_batch` over the batch axes, `cache_kv_heads` over `tensor`), donated to
   every call;
-- `prefill`: the prompts admitted in one step whose lengths share a bucket (generator.bucket), each left-padded to
+- `prefill`: the prompts admitted in one step whose lengths share a bucket (sampling.bucket), each left-padded to
   it exactly as Generator.generate pads it, as the rows of one call (rows a power of two: one compiled
   program per bucket and row count, compiled on first use or by `warm()`), run through the model into a cache of P
   slots, their first tokens sampled, and each row's cache inserted into its free slot row: slots [0, P) of the row,
@@ -43,7 +43,7 @@ requests wait with it (at most the longest request in flight), then run on the n
 like the old ones, so no program is compiled again. `Request.step` names the checkpoint that answered.
 
 All JAX calls happen on the thread that calls `step()` / `run()` (the server runs one engine thread); `submit` and
-`Request.cancel` may be called from any thread. JAX is imported inside the functions (see generator.py).
+`Request.cancel` may be called from any thread.
 """
 import collections
 import dataclasses
@@ -53,32 +53,37 @@ import threading
 import time
 import typing
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain import runtime
+from meshtrain import sharding
 from meshtrain.errors import UserError
-from meshtrain.inference.generator import Sampling, bucket, place
-
+from meshtrain.inference.generator import place
+from meshtrain.inference.sampling import Sampling, bucket
+from meshtrain.models.llama import init_cache
+from meshtrain.runtime import startup
 
 # Decode steps per device call while no request waits for a slot (Engine's `chunk`). A slot whose request ends
 # inside a chunk computes the rest of it for nothing, and its client sees the chunk's tokens at once.
 DECODE_CHUNK = 8
 # With a slot free, a call runs a chunk only if two of them take at most this long (by the measured step time): a
 # request that arrives meanwhile waits for the calls in flight (the one being read and the one dispatched ahead of
-# it, `Engine._ahead`) before its prefill, so this bounds what they add to its time to first token. The tiny model's
-# chunk on the CPU (8 x 1.2 ms) and the 125m shapes' (8 x 45 ms) become single steps, pipelined
-# (benchmarks/2026-12-04-serve-6.md: at half the saturation rate the tiny model's p50 TTFT 9.6 -> 6.0 ms). With every
+# it, `Engine._ahead`) before its prefill, so this bounds what they add to its time to first token. Small models'
+# chunks on the CPU become single steps, pipelined, which halves their time to first token under load. With every
 # slot busy, a request could not join before a slot frees anyway: chunks, whatever they take.
 CALL_BUDGET_S = 0.005
 # The shortest attention span of a decode program (Engine.attends): the spans grow from it by 1.5x and 4/3 in turn
-# (64, 96, 128, 192, 256, ...: a call attends over at most 1.5x the slots it needs) up to the cache row. Against
-# doubling from 128, the tiny model's engine alone went from 0.78-0.85 to 0.84-0.90 of static batching, measured
-# side by side (benchmarks/2026-12-04-serve-7.md): on the CPU attention is about half a decode step at 128 slots.
+# (64, 96, 128, 192, 256, ...: a call attends over at most 1.5x the slots it needs) up to the cache row: on the CPU
+# attention is about half a decode step at 128 slots, so finer spans than doubling pay for their extra programs.
 ATTEND_MIN = 64
 # The decode programs' row counts (Engine.row_counts) are the slots divided by these: with few requests in flight a
-# step decodes the busy rows only (the tiny model's step on the CPU: 0.82 ms over 2 rows, 1.05 over 4, 1.2-1.3 over
-# 8, 1.6-1.8 over 16, 2.7-3.0 over 32), so more slots cost nothing until requests use them. Not finer: each count
-# multiplies the decode programs compiled (steps x spans x rows); one row measured 0.74 ms against two rows' 0.82.
+# step decodes the busy rows only (a step's cost grows with its rows), so more slots cost nothing until requests use
+# them. Not finer: each count multiplies the decode programs compiled (steps x spans x rows), and one row costs
+# about what two do.
 ROW_DIVISORS = (4, 2, 1)
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
 # CPU backend's collectives give a peer that is late only so long).
@@ -129,8 +134,6 @@ def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
   """Next token per row with each row's own setting ([B] arrays; keys_B typed keys): temperature 0 greedy, else
   softmax(logits / temperature) cut to the top_k most likely ids (0: all) and to the smallest set whose probability
   reaches top_p, as generator.sample does for one setting."""
-  import jax  # after runtime.start (module docstring)
-  import jax.numpy as jnp
   V = logits_BV.shape[-1]
   if num_ids < V:
     logits_BV = jnp.where(jnp.arange(V) < num_ids, logits_BV, -jnp.inf)
@@ -164,7 +167,6 @@ def key_data(seed):
   device, not one host-side JAX call per prompt). JAX, 64-bit types off as meshtrain runs it, seeds a key with the
   seed's low 32 bits; the seed arrives as those bits (uint32), so the keys equal Generator.generate's
   (tests/test_serve.py checks seeds past 32 bits and negative ones against jax.random.key)."""
-  import jax  # after runtime.start (module docstring)
   return jax.random.key_data(jax.random.key(seed))
 
 
@@ -227,7 +229,6 @@ class Engine:
 
   def __init__(self, generator, slots: int = 8, max_queue: int = 64, chunk: int = DECODE_CHUNK,
                step: int | None = None, live=None):
-    import jax  # after runtime.start (module docstring)
     if generator.max_len is None:
       raise UserError("serving needs a context length (the Generator's max_len)")
     self.gen = generator
@@ -272,12 +273,6 @@ class Engine:
   # --- compiled programs ---
 
   def _build(self) -> None:
-    import flax.linen as nn  # after runtime.start (module docstring)
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-    from meshtrain import sharding
-    from meshtrain.models.llama import init_cache
     g, c, B, S = self.gen, self.gen.model_cfg, self.slots, self.cache_len
     self.replicated = NamedSharding(g.mesh, PartitionSpec())
     self.batch_sharding = sharding.batch_sharding(g.mesh, g.rules)
@@ -322,8 +317,6 @@ class Engine:
   def _decode(self, steps: int, attend: int, rows: int):
     """The compiled `steps` decode steps of the first `rows` slots over the cache's first `attend` slots (compiled
     on first use, as `_prefill`)."""
-    import flax.linen as nn  # after runtime.start (module docstring)
-    import jax
     if (steps, attend, rows) not in self.decodes:
       g = self.gen
       with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
@@ -331,12 +324,11 @@ class Engine:
             self._decode_steps, static_argnums=(2, 3, 4), donate_argnums=1,
             out_shardings=(self.state_shardings, self.replicated)).lower(
                 self._abstract(g.params), self._abstract(self.state), steps, attend, rows).compile()
-      runtime.barrier("serving's first run of a compiled decode", g.barrier_timeout_s)
+      startup.barrier("serving's first run of a compiled decode", g.barrier_timeout_s)
     return self.decodes[steps, attend, rows]
 
   @staticmethod
   def _abstract(tree):
-    import jax  # after runtime.start (module docstring)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
   def _prefill(self, P: int, R: int):
@@ -344,7 +336,7 @@ class Engine:
     processes, all of them compile it in the same step, then wait for each other before its first run)."""
     if (P, R) not in self.prefills:
       self.prefills[P, R] = self._compile_prefill(P, R)
-      runtime.barrier("serving's first run of a compiled prefill", self.gen.barrier_timeout_s)
+      startup.barrier("serving's first run of a compiled prefill", self.gen.barrier_timeout_s)
     return self.prefills[P, R]
 
   def _rows(self, count: int) -> int:
@@ -353,10 +345,6 @@ class Engine:
     return -(-(1 << (max(count, ways) - 1).bit_length()) // ways) * ways
 
   def _compile_prefill(self, P: int, R: int):
-    import flax.linen as nn  # after runtime.start (module docstring)
-    import jax
-    import jax.numpy as jnp
-    from meshtrain.models.llama import init_cache
     g, c = self.gen, self.gen.model_cfg
 
     def prefill(params, state, tokens_RP, rows_R6):
@@ -489,7 +477,6 @@ class Engine:
     of two (so that few sizes are ever compiled)."""
     if self.processes == 1:
       return plan
-    from jax.experimental import multihost_utils
     n = int(multihost_utils.broadcast_one_to_all(np.int32(len(plan) if self.leader else 0)))
     padded = np.zeros(max(64, 1 << (n - 1).bit_length()), np.int32)
     if self.leader:

@@ -12,19 +12,28 @@ How the model runs is the backend's choice (`backend_choice`): on the CPU unroll
 Several processes (hosts): every process builds the same Generator over a mesh spanning every process's devices
 and makes the same calls; the generated ids are gathered onto every process.
 
-JAX is imported inside the functions: `python -m meshtrain.generate` imports this module to check its arguments
-before meshtrain.runtime.start has set the XLA flags.
+What a request asks for (`Sampling`, the prompt `bucket`) and what it gets (`Output`) are JAX-free, in
+meshtrain/inference/sampling.py: the commands check their arguments with them before JAX loads.
 """
 import dataclasses
 import functools
 import hashlib
 import time
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import config as config_lib, runtime
-from meshtrain.data import tokenizer as tokenizer_lib
+from meshtrain import checkpoint, config as config_lib, layout, mesh as mesh_lib, sharding
+from meshtrain.data import tokenization as tokenizer_lib
 from meshtrain.errors import UserError
+from meshtrain.inference.sampling import Output, Sampling, bucket
+from meshtrain.kernels import cpu_matmul
+from meshtrain.models.llama import DenseProducts, ModelConfig, Transformer, init_cache
+from meshtrain.runtime import startup
 
 # Decode runs at least this many rows (the rest padding). With one row XLA's CPU backend drops the unit batch
 # dimension and then copies every layer's keys transposed and its cache updates, every token: at the 125m shape 60
@@ -32,70 +41,8 @@ from meshtrain.errors import UserError
 # costs nothing measurable in a step that streams every weight anyway. Prefill keeps its own rows (its work grows
 # with them); its state is padded at its end.
 DECODE_MIN_ROWS = 2
-PROMPT_BUCKET = 16  # prompts are padded to a multiple of this (up to 128 tokens), so nearby lengths share a prefill
-
-
-def bucket(tokens: int) -> int:
-  """The padded length of a prompt of `tokens` tokens: the next multiple of PROMPT_BUCKET up to 128, past that of an
-  eighth of the next power of two (160, 192, 224, 256, 320, ...): at most a quarter more tokens than the prompt,
-  four buckets per doubling. Each bucket is a compiled prefill (per row count, serving's): an 8K context has 32,
-  where multiples of 16 made 512, whose compiles (`serve --warm`) took minutes and, at a context of 1024 on the
-  CPU, ran out of memory for the JIT's code."""
-  step = max(PROMPT_BUCKET, (1 << (max(tokens, 1) - 1).bit_length()) // 8)
-  return -(-tokens // step) * step
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  """temperature 0: greedy (argmax); else softmax(logits / temperature) restricted to the top_k most likely ids
-  (0: all) and to the smallest set whose probability reaches top_p (1.0: all)."""
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  def check(self, vocab_size: int | None) -> None:
-    """UserError for a setting that cannot sample; `vocab_size` None: not known yet (before the model is read)."""
-    if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-      raise UserError(f"--temperature {self.temperature} must be a finite number >= 0 (0: greedy)")
-    if self.top_k < 0:
-      raise UserError(f"--top-k {self.top_k} must be 0 (off) or a positive number of ids")
-    if vocab_size is not None and self.top_k > vocab_size:
-      raise UserError(f"--top-k {self.top_k} must be at most the vocabulary size {vocab_size}")
-    if not 0 < self.top_p <= 1:
-      raise UserError(f"--top-p {self.top_p} must be in (0, 1] (1: off)")
-
-
-@dataclasses.dataclass
-class Output:
-  """What one `Generator.generate` call produced, per prompt in order, and how fast."""
-  texts: list[str]
-  token_ids: list[list[int]]   # the new tokens of each prompt, its end-of-sequence token included when it stopped there
-  finish_reasons: list[str]    # eos | max_new_tokens | context (the prompt plus its tokens reached max_len)
-  prompt_tokens: int           # real prompt tokens (no padding)
-  prefill_s: float
-  decode_s: float
-  decode_tokens: int           # tokens made by the decode loop (each row's first token comes from the prefill)
-  prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)  # the ids each prompt was encoded to
-
-  @property
-  def prefill_tokens_per_sec(self) -> float:
-    return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-  @property
-  def decode_tokens_per_sec(self) -> float:
-    return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-  def to_json(self) -> dict:
-    return {"completions": self.texts, "token_ids": self.token_ids, "finish_reasons": self.finish_reasons,
-            "prefill_tokens_per_sec": self.prefill_tokens_per_sec, "decode_tokens_per_sec": self.decode_tokens_per_sec,
-            "prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,
-            "prefill_s": self.prefill_s, "decode_s": self.decode_s, "prompt_ids": self.prompt_ids}
-
-
 def sample(logits_BV, key, sampling: Sampling, num_ids: int | None = None):
   """Next token id per row, [B] int32, among ids < num_ids (all when None)."""
-  import jax  # after runtime.start (module docstring)
-  import jax.numpy as jnp
   if num_ids is not None and num_ids < logits_BV.shape[-1]:
     logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < num_ids, logits_BV, -jnp.inf)
   if sampling.temperature == 0:
@@ -117,8 +64,6 @@ def sample(logits_BV, key, sampling: Sampling, num_ids: int | None = None):
 def layers_as(params: dict, num_layers: int, stacked: bool) -> dict:
   """The parameter tree with its layers stacked (`layers`, [N, ...] leaves: a scanned model's) or one subtree per
   layer (`layer_0`, ...: an unrolled model's), whichever `params` has; numpy or jax arrays."""
-  import jax  # after runtime.start (module docstring)
-  import jax.numpy as jnp
   if stacked and "layers" not in params:
     per_layer = [params[f"layer_{i}"] for i in range(num_layers)]
     rest = {k: v for k, v in params.items() if not k.startswith("layer_")}
@@ -134,7 +79,6 @@ def layers_as(params: dict, num_layers: int, stacked: bool) -> dict:
 def _transpose(perm: tuple[int, ...], out_sharding):
   """Axes permuted by `perm` into `out_sharding`, compiled once per permutation and sharding (the layers share
   them); the identity permutation is a no-op."""
-  import jax  # after runtime.start (module docstring)
   if perm == tuple(range(len(perm))):
     return lambda a: a
   return jax.jit(lambda a: a.transpose(perm), out_shardings=out_sharding)
@@ -145,7 +89,6 @@ def place(x, sharding):
   devices) for a sharding whose devices span several processes is assembled from every process's own shards of it
   (each process holds the whole value: the same prompts, the same parameters): `jax.device_put` refuses devices
   of other processes for a jax Array ("must be a Device or a Sharding which represents addressable devices")."""
-  import jax  # after runtime.start (module docstring)
   if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
     return jax.device_put(x, sharding)
   x = np.asarray(x)
@@ -157,10 +100,7 @@ def backend_choice(scan_layers: bool | None = None):
   `scan_layers` says otherwise) and meshtrain/kernels/cpu_matmul.py's OutInProducts, dense weights held [out, in]
   for its kernel (where the kernel cannot be built, XLA's dot on the same layout, and one warning); elsewhere the
   scanned stack and the model's own layout with XLA's dot, as training runs it."""
-  import jax  # after runtime.start (module docstring)
-  from meshtrain.models.llama import DenseProducts
   if jax.default_backend() == "cpu":
-    from meshtrain.kernels import cpu_matmul  # builds nothing yet: the kernel is built on the first product
     return (False if scan_layers is None else scan_layers), cpu_matmul.OutInProducts()
   return (True if scan_layers is None else scan_layers), DenseProducts()
 
@@ -204,12 +144,6 @@ class Generator:
                add_bos: bool = False, num_ids: int | None = None, eos_id: int | None = None,
                scan_layers: bool | None = None, barrier_timeout_s: int = config_lib.BARRIER_TIMEOUT_S):
     # JAX and the modules that import it: after runtime.start (module docstring).
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from meshtrain import mesh as mesh_lib, sharding
-    from meshtrain.models.llama import DenseProducts, ModelConfig, Transformer
     if not isinstance(model_cfg, ModelConfig):
       model_cfg = ModelConfig.from_config(model_cfg)
     self.step: int | None = None  # the checkpoint step of `params`, when from_workdir read them from a run
@@ -256,14 +190,21 @@ class Generator:
     self.barrier_timeout_s = barrier_timeout_s
 
   @classmethod
+  def from_config(cls, cfg, workdir, step: int | None = None, *, max_len: int | None = None, dtype=None):
+    """`from_workdir` on the mesh and rules of `cfg` (an inference config: meshtrain.config.inference_config), over
+    every process's devices, once every process is ready to restore."""
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    startup.barrier("the parameter restore", cfg.distributed.barrier_timeout_s)
+    return cls.from_workdir(workdir, step, mesh=mesh, rules=sharding.rules_for(cfg.sharding.rules), max_len=max_len,
+                            dtype=dtype, barrier_timeout_s=cfg.distributed.barrier_timeout_s)
+
+  @classmethod
   def from_workdir(cls, workdir, step: int | None = None, *, mesh=None, rules=None, max_len: int | None = None,
                    tokenizer=None, dtype: str | None = None, num_ids: int | None = None,
                    add_bos: bool | None = None, barrier_timeout_s: int = config_lib.BARRIER_TIMEOUT_S) -> "Generator":
     """The parameters of `workdir`'s checkpoint `step` (default the newest), its model config and tokenizer, on
     `mesh` (default one device). max_len defaults to the run's seq_len, the context it was trained on; `dtype`
     replaces the run's compute dtype (model.dtype, e.g. bfloat16), not the stored parameters'."""
-    import jax  # after runtime.start (module docstring)
-    from meshtrain import checkpoint, mesh as mesh_lib, sharding
     if mesh is None:
       mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
     if tokenizer is None:  # the run's own, checked against the checkpoint's record of it before any restore
@@ -285,7 +226,6 @@ class Generator:
     """`params` (the model's tree as a checkpoint holds it: host or device arrays) placed as this generator holds
     its own: the same shardings and layout, so every program compiled for `self.params` runs on them too (a newer
     checkpoint of the same run, swapped in without compiling anything)."""
-    import jax  # after runtime.start (module docstring)
     # Placed as given (the model's layout), then turned to the held layout on the devices, one weight at a time.
     return jax.tree.map(lambda x, s, perm, held: _transpose(perm, held)(place(x, s)),
                         layers_as(params, self.model_cfg.num_layers, self.model_cfg.scan_layers),
@@ -320,7 +260,7 @@ class Generator:
     key = (B, P, T, sampling, stop_at_eos)
     if key not in self._compiled:
       self._compiled[key] = self._compile(B, P, T, sampling, stop_at_eos)
-      runtime.barrier("generation's first run of a compiled program", self.barrier_timeout_s)
+      startup.barrier("generation's first run of a compiled program", self.barrier_timeout_s)
     return self._compiled[key]
 
   @staticmethod
@@ -328,10 +268,8 @@ class Generator:
     """UserError on every process unless all of them were asked for the same generation (prompts read from
     files that differ between hosts, a seed drawn per process, ...): they would compile different programs and wait
     for each other forever, or mix their rows. One small collective, before anything is compiled."""
-    import jax  # after runtime.start (module docstring)
     if jax.process_count() == 1:
       return
-    from jax.experimental import multihost_utils
     asked = hashlib.sha256(repr((tokens_BP.shape, tokens_BP.tobytes(), limit_B.tobytes(), sampling, seed,
                                  stream_every, stop_at_eos)).encode()).digest()
     every = np.asarray(multihost_utils.process_allgather(np.frombuffer(asked, np.uint8)))
@@ -345,7 +283,6 @@ class Generator:
     """`x` whole, as numpy, on every process (a collective when other processes hold parts of it)."""
     if x.is_fully_addressable or x.is_fully_replicated:
       return np.asarray(x)
-    from jax.experimental import multihost_utils
     # Replicated onto every device (a collective every process runs), then read from one of this process's.
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
@@ -353,8 +290,6 @@ class Generator:
     """Refuses, before compiling, a generation whose KV cache (keys and values of every layer for B rows of S
     slots, split over the mesh's batch and kv-head axes at best) cannot fit in a device's memory: a long
     --max-new-tokens with a large --max-len would otherwise end in an allocator failure."""
-    import jax.numpy as jnp
-    from meshtrain import layout
     c = self.model_cfg
     per_device = (2 * c.num_layers * B * c.num_kv_heads * S * c.head_dim * jnp.dtype(c.dtype).itemsize
                   + B * T * 4) // self.mesh.size
@@ -366,10 +301,6 @@ class Generator:
                       "more devices")
 
   def _compile(self, B: int, P: int, T: int, sampling: Sampling, stop_at_eos: bool):
-    import flax.linen as nn  # after runtime.start (module docstring)
-    import jax
-    import jax.numpy as jnp
-    from meshtrain.models.llama import init_cache
     c, model, pad, eos, num_ids = self.model_cfg, self.model, self.pad_id, self.eos_id, self.num_ids
     S = P + T - 1  # slots: the prompt, then every new token but the last (it is never fed back)
     check_eos = stop_at_eos and eos is not None
@@ -430,7 +361,6 @@ class Generator:
     sees the tokens so far (numpy, [rows, tokens], rows past len(prompts) are padding) and which rows stopped;
     without it the whole decode is one device call. stop_at_eos=False runs every row to its limit (benchmarks).
     """
-    import jax  # after runtime.start (module docstring)
     sampling = sampling or Sampling()
     sampling.check(self.model_cfg.vocab_size)
     if max_new_tokens <= 0:

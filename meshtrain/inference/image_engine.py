@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from meshtrain import checkpoint, layout as layout_lib, mesh as mesh_lib
 from meshtrain.data import digits
 from meshtrain.errors import UserError
 from meshtrain.inference import dit_sampler
@@ -99,7 +100,6 @@ class ImageEngine:
 
   def step(self) -> bool:
     """Samples the oldest waiting request (False when none waits)."""
-    from PIL import Image  # the server's own dependency (the serve extra); images only here
     with self.lock:
       if not self.queue:
         return False
@@ -110,6 +110,7 @@ class ImageEngine:
       padded = 1 << (request.n - 1).bit_length()  # a power of two: few programs compiled
       labels = np.full(padded, request.label, np.int32)
       images = self.sampler(self.params, labels, np.arange(padded, dtype=np.int32), request.seed)[:request.n]
+      from PIL import Image  # Pillow only where images are served: the GPU machines carry none
       for image in np.round(np.clip(images, 0, 1) * 255).astype(np.uint8):
         out = io.BytesIO()
         Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(out, format="PNG")
@@ -136,7 +137,7 @@ def class_names(cfg) -> list[str] | None:
   if cfg.data.name in (digits.NAME, "synthetic"):
     return None
   try:
-    import tensorflow_datasets as tfds
+    import tensorflow_datasets as tfds  # TFDS only for a run's class names: GPU machines carry none
     info = tfds.builder(cfg.data.name, data_dir=cfg.data.data_dir or None).info
     return [str(n) for n in info.features[cfg.data.label_key].names]
   except Exception:  # optional: a server whose host lacks the dataset serves the classes by id
@@ -144,10 +145,9 @@ def class_names(cfg) -> list[str] | None:
 
 
 def from_workdir(workdir, step: int, cfg, max_queue: int = 64, max_n: int = 8, asked: bool = True) -> ImageEngine:
-  """An ImageEngine of the DiT run in `workdir` at `step`, with `cfg` from dit_sampler.run_config (its mesh and
+  """An ImageEngine of the DiT run in `workdir` at `step`, with `cfg` from dit_request.run_config (its mesh and
   rules), as `python -m meshtrain.sample` builds its sampler. Unless the user `asked` for that step, the newest
   there is when a live run's retention deletes it first (the engine's `step` says which)."""
-  from meshtrain import checkpoint, layout as layout_lib, mesh as mesh_lib
   mesh = mesh_lib.make_mesh(cfg.mesh)
   ways = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
   cfg.batch_size = ways  # the layout checks its batch against the mesh; the sampler pads each request's images

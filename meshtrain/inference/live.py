@@ -11,6 +11,9 @@ import pathlib
 import sys
 import time
 
+import jax
+
+from meshtrain import checkpoint
 from meshtrain.errors import UserError
 
 
@@ -26,7 +29,6 @@ class LiveCheckpoints:
 
   def newer(self) -> int | None:
     """The newest complete step past the served one, when a poll is due and there is one; else None."""
-    from meshtrain import checkpoint  # Orbax's modules: imported once serving runs (JAX is up by then)
     now = time.monotonic()
     if now - self._polled < self.poll_s:
       return None
@@ -37,8 +39,6 @@ class LiveCheckpoints:
   def load(self, generator, step: int):
     """The parameters of `step` placed as `generator` holds its own, or None when they cannot be served (said once
     on stderr; the caller keeps serving what it has)."""
-    import jax  # after runtime.start
-    from meshtrain import checkpoint
     try:
       params, _ = checkpoint.load_params(self.workdir, step, mesh=generator.mesh, rules=generator.rules)
       placed = generator.place_params(params)

@@ -35,8 +35,8 @@ MAX_STOP = 4
 RETRY_AFTER_S = 1
 # How long a Python thread may hold the GIL while another waits for it (the interpreter's default is 5 ms). The
 # engine thread wants it back each time a device call returns, while the event loop's thread is writing responses:
-# at 5 ms, every return waited up to that long. 0.5 ms: +30% tokens/s at saturation (experiments/serve_bench.py,
-# benchmarks/2026-12-03-serve-2.md).
+# at 5 ms, every return waited up to that long; at 0.5 ms the server's tokens/s at saturation is about a third higher
+# (experiments/serve_bench.py measures it).
 SWITCH_INTERVAL_S = 0.0005
 
 

@@ -3,6 +3,7 @@
 import os
 import sys
 
+import jax
 import numpy as np
 
 from meshtrain.inference.generator import Generator, Output
@@ -55,7 +56,6 @@ def results_stream(is_main: bool):
   collectives library (gloo) prints `[Gloo] Rank 0 is connected to ...` lines to the process's stdout when it
   connects; they are sent to stderr from here on (file descriptor 1 becomes a copy of 2), so that stdout carries
   the completions (--json: one JSON object) and nothing else."""
-  import jax  # after runtime.start: the command imports this module before it
   if jax.process_count() == 1:
     return sys.stdout if is_main else Discard()
   sys.stdout.flush()

@@ -41,7 +41,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from meshtrain import config as config_lib
+from meshtrain import checkpoint, config as config_lib
 from meshtrain.errors import UserError
 from meshtrain.interop import hf_config, hf_tokenizer, weights
 
@@ -320,7 +320,7 @@ def _meshtrain_config(m: dict, param_dtype: str, tokenizer_files: list[pathlib.P
   # The sequence length the model was trained for, capped: seq_len also sizes training batches and generation's
   # default cache, and Llama 3's 131,072 would make those huge by default.
   cfg.seq_len = min(m["max_position_embeddings"], 4096)
-  if "tokenizer" in cfg.data:  # meshtrain.data.tokenizer: the tokenizer travels in WORKDIR/tokenizer/
+  if "tokenizer" in cfg.data:  # meshtrain.data.tokenization: the tokenizer travels in WORKDIR/tokenizer/
     main = next((f.name for f in tokenizer_files if f.name in ("tokenizer.json", "tokenizer.model")), None)
     cfg.data.tokenizer = "byte" if main is None else str(workdir.absolute() / "tokenizer" / main)
   config_lib.validate(cfg)
@@ -339,7 +339,6 @@ def to_hf(workdir: str, step: int | None, out: str) -> tuple[pathlib.Path, list[
                     "workdir of a training run or of from-hf")
   check_output(target, "--out")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from meshtrain import checkpoint  # JAX and Orbax: only once the arguments are checked
   # A live run's retention may delete the step while it is exported: the newest again, from scratch.
   return checkpoint.retrying(lambda at_step: _export(checkpoint, src, at_step, target), step)
 

@@ -3,7 +3,7 @@ converted checkpoint keeps of them, and a run's tokenizer written as the files t
 (meshtrain's byte tokenizer as an equivalent tokenizer.json, a SentencePiece model with its tokenizer_config.json).
 The chat template travels both ways (chat_template.jinja, or tokenizer_config.json's chat_template).
 
-meshtrain.data.tokenizer (which imports JAX) is imported inside the functions that use it: `python -m
+meshtrain.data.tokenization (which imports JAX) is imported inside the functions that use it: `python -m
 meshtrain.convert` refuses a bad argument before loading it.
 """
 import json
@@ -12,6 +12,7 @@ import shutil
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from meshtrain.data import tokenization as byte, tokenization as tokenizer_lib
 from meshtrain.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -24,9 +25,8 @@ def tokenizer_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def tokenizer_record(files: list[pathlib.Path], vocab_size: int, hf_dir: pathlib.Path) -> dict:
-  """meta["tokenizer"] of the model's tokenizer (meshtrain.data.tokenizer's describe(): kind, sha256 of its
+  """meta["tokenizer"] of the model's tokenizer (meshtrain.data.tokenization's describe(): kind, sha256 of its
   file, vocabulary size); the byte tokenizer when the directory has no tokenizer file."""
-  from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: see the module docstring
   names = {f.name: f for f in files}
   main = names.get("tokenizer.json") or names.get("tokenizer.model")
   if main is None:
@@ -48,7 +48,6 @@ def byte_tokenizer_json() -> str:
   A byte-level BPE without merges: the ByteLevel pre-tokenizer maps each byte to one printable character (GPT-2's
   table), the vocabulary maps that character back to the byte's value, and the ByteLevel decoder turns the
   characters back into bytes (invalid UTF-8 -> U+FFFD, as meshtrain's decode)."""
-  from meshtrain.data import tokenizer as byte  # imports JAX: see the module docstring
   alphabet = byte.byte_level_alphabet()
   tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -65,14 +64,12 @@ def byte_tokenizer_json() -> str:
 def run_tokenizer(workdir: pathlib.Path, record: dict):
   """The tokenizer the run in `workdir` used (WORKDIR/tokenizer/, bytes if absent), checked against the one its
   checkpoint names (meta["tokenizer"])."""
-  from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: see the module docstring
   return tokenizer_lib.from_workdir(workdir, record)
 
 
 def write_tokenizer(directory: pathlib.Path, tok, workdir: pathlib.Path, seq_len: int) -> dict:
   """`tok` (the run's, see run_tokenizer) as Hugging Face files in `directory`; returns the special ids for
   config.json."""
-  from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: see the module docstring
   if tok.kind == tokenizer_lib.BYTE:
     specials = tokenizer_lib.BYTE_SPECIAL_TOKENS
     (directory / "tokenizer.json").write_text(byte_tokenizer_json())
@@ -92,7 +89,6 @@ def write_tokenizer(directory: pathlib.Path, tok, workdir: pathlib.Path, seq_len
 def byte_chat_template(workdir: pathlib.Path) -> dict:
   """{"chat_template": ...} for the tokenizer_config.json of a byte run whose WORKDIR/tokenizer/ holds a chat
   template (a byte run has no tokenizer files there, but may be given a chat_template.jinja); {} without one."""
-  from meshtrain.data import tokenizer as tokenizer_lib  # imports JAX: see the module docstring
   template = tokenizer_lib.chat_template(workdir / tokenizer_lib.WORKDIR_SUBDIR)
   if isinstance(template, dict):
     template = [{"name": name, "template": text} for name, text in template.items()]

@@ -11,9 +11,11 @@ import os
 import pathlib
 
 import numpy as np
+import orbax.checkpoint as ocp
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from meshtrain import checkpoint
 from meshtrain.errors import UserError
 
 # safetensors dtype -> the meshtrain param_dtype holding it exactly. float16 widens to float32 (meshtrain stores
@@ -103,8 +105,6 @@ def _umask() -> int:
 def save_params(workdir: pathlib.Path, params: dict, meta: dict) -> None:
   """Writes `params` (numpy) as step 0 through meshtrain's Checkpointer, without a second copy in memory."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host work: never claim an accelerator for it
-  import orbax.checkpoint as ocp  # with JAX: see the module docstring
-  from meshtrain import checkpoint
   previous = ocp.type_handlers.get_type_handler(np.ndarray)
   ocp.type_handlers.register_type_handler(np.ndarray, _one_array_at_a_time(ocp), override=True)
   ckpt = None

@@ -15,7 +15,7 @@ linear in SiLU(c); a final adaLN layer and a linear map back to patches, unpatch
 The modulation and the final linear map start at zero, so every block starts as the identity and the model's
 output is exactly zero at init (adaLN-Zero: the best of the conditioning schemes the paper compares).
 
-The objective (rectified flow) and the sampler live with the task: meshtrain/tasks/dit.py.
+The objective (rectified flow) and the sampler live with the task: meshtrain/families/dit.py.
 """
 import dataclasses
 import math

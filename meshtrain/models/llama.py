@@ -303,7 +303,7 @@ class Attention(nn.Module):
       return c.products(o_BLHE, w_o.astype(c.dtype), "HE,HED->D"), (k_BKSE, v_BKSE)
     if axis := context_axis():
       # The sequence is split over devices: each holds a chunk of queries and must see every earlier key (a
-      # sliding window shorter than the sequence is refused with this split: meshtrain/tasks/lm.py, check_parallelism).
+      # sliding window shorter than the sequence is refused with this split: families/lm.py, check_parallelism).
       pos_BL = jnp.broadcast_to(pos_L, q_BLHE.shape[:2])
       o_BLHE = context.sequence_sharded_attention(q_BLHE, k_BLKE, v_BLKE, pos_BL, mesh=jax.sharding.get_abstract_mesh(),
                                                   axis_name=axis, impl=c.context_attention, causal=True)

@@ -6,9 +6,11 @@ processes make up the run: meshtrain/runtime/cluster.py.
 import os
 import sys
 import threading
-import traceback
 
-from meshtrain import errors
+import jax
+from orbax.checkpoint import multihost
+
+from meshtrain import mesh
 from meshtrain.errors import RunAborted, UserError
 from meshtrain.runtime import cluster
 
@@ -41,11 +43,9 @@ def start(cfg) -> None:
   """XLA flags, simulated CPU devices, then the distributed runtime; call before any JAX computation."""
   os.environ["XLA_FLAGS"] = xla_flags(cfg.xla_flags, os.environ.get("XLA_FLAGS", ""))
   settings = cluster.distributed_settings(cfg.distributed)
-  from meshtrain import mesh  # imports jax: only after XLA_FLAGS is final
   mesh.simulate_cpu_devices(cfg.cpu_devices)
-  import jax
   if settings is not None:
-    _initialize_distributed(jax, cfg, settings)
+    _initialize_distributed(cfg, settings)
   # Restarts after preemption or a crash recompile the same program: fetch it from disk instead. Not on the CPU:
   # there XLA aborts the process on some multi-device programs loaded from the cache ("rendezvous.h: Check failed:
   # id < num_threads (14 vs. 8) ... collective permute ... op_id=1": two collective-permutes of the deserialized
@@ -57,36 +57,12 @@ def start(cfg) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-_distributed = False  # this process joined a multi-process run (jax.distributed.initialize returned)
+def is_main() -> bool:
+  """Whether this is process 0 (of one or several): the one that prints and writes."""
+  return jax.process_index() == 0
 
 
-def run_main(main) -> None:
-  """`sys.exit(main())` for the `__main__` of every command that starts the runtime (train, generate, sample, bench,
-  inspect, plan), except that a process of a multi-process run that fails (an exit code, or an exception: its
-  traceback is printed) ends at once. At a normal exit jax.distributed waits up to 300 s
-  (its shutdown_timeout) for every peer to reach shutdown too, and peers blocked in a collective with the failed
-  process never do: the launcher, srun --kill-on-bad-exit or a test saw the failure only 5 minutes later (a CI run's
-  4-process test timed out so: three processes waited in a collective, the fourth in jax.distributed's shutdown)."""
-  try:
-    code = main()
-  except BaseException as e:
-    if not _distributed:
-      raise  # one process: Python's own exit (traceback, Ctrl-C's status)
-    if isinstance(e, SystemExit) and isinstance(e.code, int | None):
-      code = e.code or 0
-    else:
-      traceback.print_exc()
-      code = 1
-  sys.stdout.flush()
-  sys.stderr.flush()
-  if code in (2, 3):  # a refusal or a stop: its one line is out; late noise of Orbax's threads (and of libraries'
-    errors.silence_stderr()  # atexit handlers on a full disk) must not follow it
-  if code and _distributed:
-    os._exit(code)
-  sys.exit(code)
-
-
-def _initialize_distributed(jax, cfg, settings: dict) -> None:
+def _initialize_distributed(cfg, settings: dict) -> None:
   timeout = cfg.distributed.init_timeout_s
   if "coordinator_address" in settings:
     who = (f"{settings['num_processes']} processes, coordinator {settings['coordinator_address']}, this one is "
@@ -104,8 +80,6 @@ def _initialize_distributed(jax, cfg, settings: dict) -> None:
   try:
     jax.distributed.initialize(**settings, initialization_timeout=timeout + 30,
                                heartbeat_timeout_seconds=cfg.distributed.heartbeat_timeout_s)
-    global _distributed
-    _distributed = True
   except Exception as e:
     first = str(e).splitlines()[0][:300] if str(e) else ""
     if "DEADLINE_EXCEEDED" in first:  # the runtime's own time limit, just after the timer's
@@ -124,10 +98,8 @@ def barrier(name: str, timeout_s: int) -> None:
   GetKeyValue() timed out ... 30 s"); a process that starts, restores or compiles 30 s later than another (a busy
   host, a slower file system) ended the run. Waiting here first, before the collective, starts everyone together.
   """
-  import jax  # JAX and Orbax only here: this module is imported before start() sets XLA_FLAGS
   if jax.process_count() == 1:
     return
-  from orbax.checkpoint import multihost
   try:
     multihost.get_barrier_sync_fn()(key=f"meshtrain: {name}", timeout_ms=timeout_s * 1000)
   except Exception as e:

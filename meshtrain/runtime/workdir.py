@@ -17,6 +17,9 @@ import os
 import pathlib
 import socket
 
+import numpy as np
+from jax.experimental import multihost_utils
+
 from meshtrain.errors import UserError
 from meshtrain.runtime import startup
 
@@ -37,8 +40,6 @@ def exclusive(workdir: pathlib.Path, process_index: int = 0, process_count: int 
     except UserError as e:
       problem = e
   if process_count > 1:
-    from jax.experimental import multihost_utils  # JAX only with several processes: one process never needs it
-    import numpy as np
     startup.barrier("the workdir lock", barrier_timeout_s)  # the broadcast below is the first collective
     # Every process must stop when process 0 is refused, rather than wait for it at the first collective.
     if not int(multihost_utils.broadcast_one_to_all(np.int32(problem is None))) and problem is None:

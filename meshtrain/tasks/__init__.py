@@ -1,14 +1,16 @@
-"""Tasks: everything the train loop, layout, bench, inspect and plan need to know about a model family.
+"""Tasks, JAX-free: the contract every model family implements, and each family's config fields.
 
 The loop knows no model. It asks its task for the model, the batch the data must produce, the loss, the eval
-sums and the FLOPs per example. Two families today:
-  lm   a causal language model (Llama, optionally mixture-of-experts): meshtrain/tasks/lm.py
-  dit  a class-conditional diffusion transformer on images (rectified flow): meshtrain/tasks/dit.py
-A third family is a new module here, a JAX-free module of its config fields (`<family>_config.py`: checks, model
-group, batch memory) registered below, and a branch in `build` and `cost_model`; the loop, layout, checkpoints,
-launcher, planner and fault handling serve it unchanged.
+sums and the FLOPs per example. This package is the part that needs no JAX: the contract (below) and each kind's
+config fields (`<family>_config.py`: checks, model group, batch memory), registered with meshtrain.config here.
+The implementations are meshtrain/families/ (`families.build(cfg, mesh, platform)`, `families.cost_model(cfg)`):
+  lm   a causal language model (Llama, optionally mixture-of-experts): meshtrain/families/lm.py
+  dit  a class-conditional diffusion transformer on images (rectified flow): meshtrain/families/dit.py
+A third family is a module in meshtrain/families/, a config module here registered below, and a branch in
+`families.build` and `families.cost_model`; the loop, layout, checkpoints, launcher, planner and fault handling
+serve it unchanged.
 
-Contract (each task module defines a class with these members, built by `build(cfg, mesh, platform)`):
+Contract (each family module defines a class with these members):
 
   kind: str                      "lm" | "dit": `cfg.task`, recorded in every checkpoint's meta as "task"
   model: flax.linen.Module       every parameter tagged with logical axes (meshtrain/models/params.py `param`)
@@ -40,10 +42,10 @@ Contract (each task module defines a class with these members, built by `build(c
       Model FLOPs of one training example (forward and backward, matmuls and attention, by formula): the MFU
       numerator, shared by the loop, bench, inspect and plan.
 
-The cost model (`cost_model(cfg)`: a class `CostModel` in the task module, built from the config alone, no mesh or
-devices) is what meshtrain/analysis/estimate.py needs for inspect's expectation and plan's ranking; estimate does the
-arithmetic every task shares (parameter, optimizer and gradient bytes under the rules; JAX's residuals of the block
-stack, per layer run; the peak; step time) and asks the task for the rest:
+The cost model (`families.cost_model(cfg)`: a class `CostModel` in the family module, built from the config alone,
+no mesh or devices) is what meshtrain/analysis/estimate.py needs for inspect's expectation and plan's ranking;
+estimate does the arithmetic every task shares (parameter, optimizer and gradient bytes under the rules; JAX's
+residuals of the block stack, per layer run; the peak; step time) and asks the task for the rest:
   throughput_key, units_per_example, length   as the task's; length: tokens of one example (LM: seq_len, DiT: patches)
   unsupported_axes: dict[str, str]            mesh axes the model cannot be split over, and why (plan leaves them
                                               at 1 and prints the reasons); num_experts: 0 leaves `expert` at 1
@@ -67,8 +69,6 @@ Details the core relies on (meshtrain/layout.py, meshtrain/hooks.py):
   - The train step's metrics name the count after the unit of `throughput_key` ("tokens", "images"); every other
     scalar of the loss's aux (e.g. the LM's moe_*) is averaged over micro-batches and written to metrics.jsonl.
 Optional members (the core has a default without them):
-  hooks(run) -> list[hooks.Hook]  periodic work of the task's own (DiT: a sample grid + quality at eval_every);
-                                  called once the run is set up, run after the loop's own hooks. Default [].
   eval_message(record) -> str     the log line after "step N: " (LM: eval loss and bits/byte). Default: eval loss.
   layer_order: str                how stacked layers are stored; a checkpoint of another order is refused.
                                   Default "sequential".
@@ -82,21 +82,3 @@ for _kind, _fields in (("lm", lm_config), ("dit", dit_config)):
   config_lib.register_task(_kind, config_lib.TaskFields(_fields.model_group, _fields.check, _fields.check_batch_memory))
 KINDS = tuple(config_lib.TASKS)
 
-
-def build(cfg, mesh, platform: str | None = None):
-  """The task of `cfg.task` for `mesh`: model-specific layout checks happen here (a UserError before compiling)."""
-  if cfg.task == "dit":
-    from meshtrain.tasks import dit  # imports JAX: only once a task is built, after runtime.start
-    return dit.DitTask(cfg, mesh, platform)
-  from meshtrain.tasks import lm  # likewise
-  return lm.LmTask(cfg, mesh, platform)
-
-
-def cost_model(cfg):
-  """The analytic side of `cfg.task` for meshtrain/analysis/estimate.py (see the contract above): no mesh or
-  devices."""
-  if cfg.task == "dit":
-    from meshtrain.tasks import dit  # imports JAX: only once a task is built, after runtime.start
-    return dit.CostModel(cfg)
-  from meshtrain.tasks import lm  # likewise
-  return lm.CostModel(cfg)

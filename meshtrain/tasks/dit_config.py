@@ -3,9 +3,8 @@ batches need. JAX-free, so a bad value is refused before JAX loads; registered w
 meshtrain/tasks."""
 import ml_collections
 
-from meshtrain import config as config_lib
+from meshtrain import config as config_lib, presets
 from meshtrain.errors import UserError
-from meshtrain.models import presets
 
 REMAT_POLICIES = ("none", "full")
 # The same 4 batches in flight as the language model's (meshtrain/tasks/lm_config.py), each row a float32 image

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain import mesh as mesh_lib, sharding
-from meshtrain.analysis import costs, perf
+from meshtrain import costs, mesh as mesh_lib, sharding
+from meshtrain.costs import perf
 from meshtrain.errors import UserError
 from meshtrain.models import attention, moe
 from meshtrain.models.llama import REMAT_POLICIES, Block, ModelConfig, Transformer

@@ -9,8 +9,12 @@ import dataclasses
 import math
 import time
 
-from meshtrain import runtime
+import jax
 
+from meshtrain import layout as layout_lib, mesh as mesh_lib
+from meshtrain.analysis import estimate
+from meshtrain.costs import hlo
+from meshtrain.runtime import startup
 
 GB = 1e9
 
@@ -63,15 +67,12 @@ class Report:
 
 def _shard_bytes(tree) -> int:
   """Bytes one device holds of a tree of sharded shapes: what the compiled program is given, exactly."""
-  import jax
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def inspect(cfg) -> Report:
   """Compiles cfg's train step for cfg.cpu_devices simulated devices; arrays are never created."""
-  runtime.start(cfg)
-  from meshtrain import layout as layout_lib, mesh as mesh_lib  # import jax: after runtime.start
-  from meshtrain.analysis import estimate, hlo
+  startup.start(cfg)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh)
   t0 = time.perf_counter()

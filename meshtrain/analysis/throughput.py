@@ -7,23 +7,21 @@ dense peaks for known GPUs; on CPU the matmul peak is measured here, in the same
 count, so MFU compares like with like. The modules that import JAX are imported inside the functions, after
 runtime.start has set the XLA flags and device count.
 """
-import contextlib
-import pathlib
 import statistics
-import sys
-import tempfile
 import time
 
+import jax
 import numpy as np
 
-from meshtrain import hooks, runtime
-from meshtrain.analysis import perf
+from meshtrain import data, layout as layout_lib, mesh as mesh_lib
+from meshtrain.costs import perf
+from meshtrain.data import loader, packing, select
 from meshtrain.errors import UserError
+from meshtrain.runtime import startup
 
 
 def fixed_batch(path: str, cfg, sharding):
   """A [batch_size, seq_len + 1] token array from a .npy file as the global batch (one process)."""
-  import jax
   try:
     tokens = np.load(path)
   except (OSError, ValueError) as e:
@@ -37,9 +35,7 @@ def fixed_batch(path: str, cfg, sharding):
 
 
 def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
-  runtime.start(cfg)
-  import jax
-  from meshtrain import data, layout as layout_lib, mesh as mesh_lib
+  startup.start(cfg)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh)
   task = layout.task
@@ -94,7 +90,6 @@ def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
 def data_throughput(cfg, seconds: float) -> dict:
   """Tokens/s of the host pipeline alone (train split, shuffled, whole global batches, the loop's threads and
   read-ahead) over about `seconds`, after one warm-up batch; and of tokenizing documents on the fly."""
-  from meshtrain.data import loader, packing, select
   t0 = time.perf_counter()
   tok = select.tokenizer_for_config(cfg)
   src = select.make_source(cfg, cfg.data.train_split, shuffle=True, tok=tok)
@@ -124,42 +119,3 @@ def data_throughput(cfg, seconds: float) -> dict:
     result["encode_on_the_fly_tokens_per_sec"] = n_tokens / (time.perf_counter() - t0)
     result["bytes_per_token"] = n_bytes / max(n_tokens, 1)
   return result
-
-
-class LoopClock(hooks.Hook):
-  """A train-loop hook (meshtrain/hooks.py) that times the loop from the moment the first step's metrics are fetched
-  (start-up and the first dispatch are behind it) to the end, every step's result on the devices, the loop's
-  paused time (evaluation, checkpoints, trace writing) excluded."""
-
-  def __init__(self):
-    self.t0 = self.paused0 = self.first = None
-    self.seconds, self.steps = None, 0
-
-  def after(self, step, run):
-    # Called after the metrics hook: at the second step it has fetched the first step's metrics.
-    if step == run.start + 2:
-      self.t0, self.paused0, self.first = time.perf_counter(), run.timer.paused_s, step - 1
-
-  def end(self, run):
-    import jax
-    if self.t0 is None:
-      return
-    jax.block_until_ready(run.state)
-    self.seconds = time.perf_counter() - self.t0 - (run.timer.paused_s - self.paused0)
-    self.steps = run.last_step - self.first
-    run.writer.print(f"loop: {self.steps} steps after the first in {self.seconds:.2f}s "
-                     f"({self.seconds / self.steps:.4f} s/step, evaluation and checkpoints excluded)")
-
-
-def loop_efficiency(cfg, steps: int, step_s: float, train) -> dict:
-  """Runs the train loop itself for `steps` steps (`train`: meshtrain.train.train, what the command runs) and compares
-  its wall time with `step_s` x steps."""
-  cfg = cfg.copy_and_resolve_references()
-  cfg.unlock()
-  cfg.update(steps=steps, eval_every=0, checkpoint_every=0, log_every=max(1, steps // 5), profile_steps="")
-  clock = LoopClock()
-  # The loop's own log goes to stderr, so --json output stays one object on stdout.
-  with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as workdir, contextlib.redirect_stdout(sys.stderr):
-    train(cfg, pathlib.Path(workdir), hooks=[clock])
-  loop_step_s = clock.seconds / clock.steps
-  return {"loop_step_time_s": loop_step_s, "loop_efficiency": loop_step_s / step_s, "loop_steps": clock.steps}

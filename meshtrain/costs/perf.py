@@ -7,6 +7,10 @@ import dataclasses
 import os
 import time
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:
@@ -67,9 +71,6 @@ def gpu_peak(device_kind: str, dtype: str) -> float | None:
 
 def measure_cpu_peak(mesh, dtype: str, size: int = 512, repeats: int = 5) -> float:
   """Per-device matmul FLOP/s, with every device of the mesh multiplying at once (as in training). ~0.3 s."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
   n = mesh.size
   sharding = NamedSharding(mesh, P(mesh.axis_names))  # one [size, size] block per device
   a = jax.jit(lambda: jnp.ones((n, size, size), dtype), out_shardings=sharding)()  # works across processes too

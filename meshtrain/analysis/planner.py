@@ -18,8 +18,13 @@ import math
 import pathlib
 import time
 
-from meshtrain import config as config_lib, tasks
-from meshtrain.analysis import inspect, perf
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain import config as config_lib, families, mesh as mesh_lib
+from meshtrain.analysis import compiled as inspect, estimate
+from meshtrain.costs import hlo, perf
 from meshtrain.errors import UserError
 
 GB = 1e9
@@ -84,8 +89,7 @@ def _nodes_split(sizes: dict, nodes: int) -> dict | None:
 
 def layouts(cfg, devices: int, nodes: int):
   """Every layout worth estimating for this model on `devices` devices in `nodes` nodes."""
-  from meshtrain import mesh as mesh_lib  # imports jax: only after runtime.start
-  model = tasks.cost_model(cfg)
+  model = families.cost_model(cfg)
   m = cfg.model
   per_node = devices // nodes
   # Axes the task cannot split (model.unsupported_axes, reported by main) and, without experts, `expert` stay 1.
@@ -152,7 +156,7 @@ def hardware(name: str, mesh, dtype: str) -> perf.Gpu:
 def target_attention(cfg, gpu: str) -> str:
   """The attention the model runs on `gpu` (a GPUS name or "cpu"), decided as the layout decides it there."""
   platform, capability = ("cpu", None) if gpu == "cpu" else ("gpu", perf.GPUS[gpu].compute_capability)
-  return tasks.cost_model(cfg).attention_on(platform, capability)
+  return families.cost_model(cfg).attention_on(platform, capability)
 
 
 def as_on_target(cfg, gpu: str) -> bool:
@@ -168,9 +172,6 @@ def as_on_target(cfg, gpu: str) -> bool:
 
 def measure_cpu_allreduce_bw(mesh, size: int = 1 << 22, repeats: int = 5) -> float:
   """Bytes/s per device an all-reduce over every simulated device moves (ring-equivalent), measured here."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
   n = mesh.size
   x = jax.jit(lambda: jnp.ones((n, size // 4), jnp.float32), out_shardings=NamedSharding(mesh, P(mesh.axis_names)))()
   f = jax.jit(lambda a: jnp.broadcast_to(a.sum(0), a.shape), out_shardings=NamedSharding(mesh, P(mesh.axis_names)))
@@ -186,8 +187,7 @@ def measure_cpu_allreduce_bw(mesh, size: int = 1 << 22, repeats: int = 5) -> flo
 def rank(cfg, devices: int, nodes: int, hw: perf.Gpu, hbm: float, fused_attention: bool,
          overlap: bool = True) -> tuple[list[Row], int]:
   """(every fitting layout best first, how many layouts were estimated)."""
-  from meshtrain.analysis import estimate  # imports jax: only after runtime.start
-  model = tasks.cost_model(cfg)
+  model = families.cost_model(cfg)
   boxed = model.abstract_params()
   peak = hw.peaks[cfg.model.dtype]
   rows, seen = [], 0
@@ -209,7 +209,6 @@ def rank(cfg, devices: int, nodes: int, hw: perf.Gpu, hbm: float, fused_attentio
 
 def _code_version() -> str:
   """A digest of meshtrain's sources and JAX's version: a cached compile is only reused for the same program."""
-  import jax
   digest = hashlib.sha256(jax.__version__.encode())
   for path in sorted(pathlib.Path(__file__).parents[1].rglob("*.py")):
     digest.update(path.read_bytes())
@@ -265,7 +264,6 @@ def verify(cfg, rows: list[Row], k: int, hw: perf.Gpu, hbm: float, overlap: bool
   98 GB compiled against 58 GB); the prediction is checked against float32 CPU compiles (within 5%,
   experiments/plan_validation.py) and the compiled figure is printed beside it.
   """
-  from meshtrain.analysis import estimate, hlo
   out = []
   for row in rows[:2 * k]:
     if sum(v.fits for v in out) >= k:
@@ -368,9 +366,8 @@ def plan(cfg, devices: int, nodes: int, nodes_from: str, gpu: str, hbm: float = 
          network_bw: float = 0, overlap: bool = True, verify_k: int = 3,
          cache_dir: pathlib.Path = CACHE_DIR) -> Plan:
   """Every layout of `cfg` over `devices` devices in `nodes` nodes of `gpu` (bandwidths in bytes/s and `hbm` in bytes
-  override the GPU's; 0 keeps them), ranked, and the best `verify_k` compiled. Call after runtime.start(cfg)."""
-  from meshtrain import mesh as mesh_lib  # imports jax: only after runtime.start
-  unsupported = tasks.cost_model(cfg).unsupported_axes
+  override the GPU's; 0 keeps them), ranked, and the best `verify_k` compiled. Call after startup.start(cfg)."""
+  unsupported = families.cost_model(cfg).unsupported_axes
   hw = hardware(gpu, mesh_lib.make_mesh({"data": -1}), cfg.model.dtype)
   hw = dataclasses.replace(hw, node_bw=node_bw or hw.node_bw, network_bw=network_bw or hw.network_bw)
   hbm = hbm or hw.hbm_bytes

@@ -8,7 +8,7 @@ from typing import Any
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import mesh as mesh_lib
-from meshtrain.analysis.hlo import Collective
+from meshtrain.costs.hlo import Collective
 from meshtrain.parallel.pipeline import pipeline_repeats
 
 

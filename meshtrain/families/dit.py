@@ -30,9 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from meshtrain.analysis import costs
+from meshtrain import costs
 from meshtrain.errors import UserError
-from meshtrain.inference import dit_sampler
 from meshtrain.models.dit import FREQUENCIES, MOD_BLOCK, MOD_FINAL, Block, DiT, DiTConfig
 from meshtrain.tasks import dit_config
 
@@ -193,12 +192,6 @@ class DitTask:
   def flops_per_example(self, table=None) -> float:
     del table  # by formula from the config (see flops_per_image); the table's matmul count would miss attention
     return flops_per_image(self.model_cfg)
-
-  def hooks(self, run) -> list:
-    """At eval_every: a sample grid (WORKDIR/samples, TensorBoard) and its quality (inference/dit_sampler.py); none
-    when eval_every=0, which turns evaluation off."""
-    del run
-    return [dit_sampler.SampleHook(self.cfg)] if self.cfg.eval_every else []
 
   def sample(self, params, labels_N, noise_NHWC, steps: int, guidance):
     """`sample` with this task's model."""
