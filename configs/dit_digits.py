@@ -14,8 +14,6 @@ The layout changes without touching the model, e.g. FSDP x tensor:
   python -m meshtrain.train --config configs/dit_digits.py --workdir runs/dit_fsdp_tp \
       --config.sharding.rules=fsdp_tp --config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2
 """
-import ml_collections
-
 from meshtrain.config import base_config
 from meshtrain import presets
 
@@ -40,7 +38,6 @@ def get_config():
   c.data.eval_split = "test"
   c.mesh.data = -1            # all devices data-parallel: 1.3M parameters need no splitting
   c.sharding.rules = "dp"
-  c.sample = ml_collections.ConfigDict()
   c.sample.steps = 20         # Euler steps from t = 1 to 0
   c.sample.guidance = 2.0     # classifier-free guidance scale (1: conditional only, 0: unconditional)
   c.sample.per_class = 10     # images per class in the grid and the quality check at eval_every

@@ -143,7 +143,7 @@ def register_task(kind: str, fields: TaskFields) -> None:
 def base_config() -> ml_collections.ConfigDict:
   """Every field meshtrain reads, with its default and meaning."""
   c = ml_collections.ConfigDict()
-  c.task = "lm"                 # what is trained (meshtrain/tasks): lm (a language model) | dit (diffusion transformer)
+  c.task = "lm"                 # what is trained (meshtrain/tasks): lm (language model) | dit (class-conditional) | t2i
   c.steps = 200                 # optimizer updates to train for (a resumed run stops at the same step)
   c.seed = 0                    # seeds parameter init and the data order; the batch at step k depends on (seed, k) only
   c.batch_size = 16             # global batch, in sequences, summed over all devices and micro-batches
@@ -187,7 +187,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.data = _data_fields()
 
-  # task=dit: sampling, during training (a grid and its quality at eval_every) and python -m meshtrain.sample's defaults
+  # task=dit and t2i: sampling during training (grids at eval_every) and python -m meshtrain.sample's defaults
   c.sample = _sample_fields()
   return c
 
@@ -245,6 +245,9 @@ def _optimizer_fields() -> ml_collections.ConfigDict:
   g.weight_decay = 0.1      # decoupled (AdamW); never applied to norm scales
   g.grad_clip = 1.0         # global-norm clipping; 0 disables
   g.grad_accum_steps = 1    # micro-batches per step: the batch is split, gradients are summed
+  # > 0: keep an exponential moving average of the parameters in the checkpoint (float32), warmed up as
+  # min(ema_decay, (1 + step) / (10 + step)); samples, generate, serve and init_from then read it (usual: 0.999-0.9999)
+  g.ema_decay = 0.0
   return g
 
 
@@ -261,6 +264,7 @@ def _data_fields() -> ml_collections.ConfigDict:
   g.text_key = "text"       # feature holding the text, for TFDS datasets
   g.image_key = "image"     # task=dit: the image feature of a TFDS image dataset (uint8 [H, W, C])
   g.label_key = "label"     # task=dit: its class-label feature (ClassLabel)
+  g.caption_key = "text"    # task=t2i: the caption column of your metadata.jsonl/.csv or rows (or a TFDS feature)
   # text: documents packed into sequences, every token trained | prompt_completion: one example per row, the loss
   # on the completion's tokens only (supervised fine-tuning; python_stdlib_sft is built locally)
   g.format = "text"
@@ -290,7 +294,9 @@ def _sample_fields() -> ml_collections.ConfigDict:
   g = ml_collections.ConfigDict()
   g.steps = 32           # Euler steps from noise (t = 1) to an image (t = 0)
   g.guidance = 1.0       # classifier-free guidance scale, >= 0: 0 unconditional, 1 conditional only, > 1 stronger
-  g.per_class = 8        # images per class in the training-time grid and quality check
+  g.per_class = 8        # task=dit: images per class in the training-time grid and quality check
+  g.per_prompt = 4       # task=t2i: images per prompt in the training-time grid
+  g.prompts = ""         # task=t2i: the grid's prompts, separated by ";" ("": the dataset's first eval captions)
   g.seed = 0             # seeds the sampling noise
   return g
 
@@ -538,6 +544,14 @@ def _convert(key, raw, old):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not_int:
       raise UserError(f"config key {key!r} takes {'an integer' if isinstance(old, int) else 'a number'}, got {raw!r}")
     return type(old)(value)
+  if isinstance(old, tuple):  # e.g. model.axes_dim=16,56,56 or (16, 56, 56)
+    try:
+      value = ast.literal_eval(raw if raw.strip().startswith(("(", "[")) else f"({raw},)")
+    except (ValueError, SyntaxError):
+      value = None
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+      raise UserError(f"config key {key!r} takes integers separated by commas (e.g. 16,56,56), got {raw!r}")
+    return tuple(value)
   return raw
 
 
@@ -635,6 +649,9 @@ def _check_values(cfg) -> None:
   for key, value in (("optimizer.weight_decay", o.weight_decay), ("optimizer.grad_clip", o.grad_clip)):
     if value < 0:
       raise UserError(f"config key {key!r} must be >= 0 (0 turns it off), got {value}")
+  if not 0 <= o.ema_decay < 1:
+    raise UserError(f"optimizer.ema_decay={o.ema_decay} must lie in [0, 1): 0 keeps no average of the parameters; "
+                    "0.999 averages over about the last 1,000 steps")
   if 0 < cfg.watchdog_s < MIN_WATCHDOG_S:
     raise UserError(f"watchdog_s={cfg.watchdog_s:g} is below the {MIN_WATCHDOG_S:g} s floor: between two heartbeats "
                     "a healthy loop may wait that long (two queued steps, the slowest peer at a collective, a "

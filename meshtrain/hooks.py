@@ -52,7 +52,8 @@ class Timer:
 
   def __init__(self, step: int):
     self.paused_s = 0.0             # every second paused since the loop started
-    self._mark, self._mark_step, self._paused_at_mark = time.perf_counter(), step, 0.0
+    # When step_time last measured (a step's metrics were fetched), at which step and with how much paused so far.
+    self.mark, self._mark_step, self.paused_at_mark = time.perf_counter(), step, 0.0
 
   @contextlib.contextmanager
   def paused(self):
@@ -69,8 +70,8 @@ class Timer:
   def step_time(self, step: int) -> float:
     """Seconds per step from the last call (or the loop's start) to now, paused time excluded; marks `step`."""
     now = time.perf_counter()
-    seconds = (now - self._mark - (self.paused_s - self._paused_at_mark)) / max(step - self._mark_step, 1)
-    self._mark, self._mark_step, self._paused_at_mark = now, step, self.paused_s
+    seconds = (now - self.mark - (self.paused_s - self.paused_at_mark)) / max(step - self._mark_step, 1)
+    self.mark, self._mark_step, self.paused_at_mark = now, step, self.paused_s
     return seconds
 
 
@@ -135,6 +136,11 @@ class Run:
   @property
   def params(self):
     return self.state.params
+
+  @property
+  def sample_params(self):
+    """The weights samples are drawn with: the average of the parameters where the run keeps one (ema_decay)."""
+    return self.state.params if self.state.ema_params is None else self.state.ema_params
 
   @property
   def last_step(self) -> int:
@@ -340,13 +346,58 @@ class Preemption(Hook):
     run.stopped = True
 
 
+class PromptSampleHook(Periodic):
+  """At eval_every and at the end of a text-to-image run: sample.per_prompt pictures of each of sample.prompts (or,
+  without them, of the first captions of the eval split), written to WORKDIR/samples/step_N.png and to TensorBoard
+  as the image `samples`; on `shapes`, the judge's accuracy on held-out and seen captions to metrics.jsonl
+  (sample_heldout_accuracy, sample_seen_accuracy and their colour and shape parts)."""
+
+  def __init__(self, cfg):
+    super().__init__(cfg.eval_every)
+    self._sampler = None
+    self.prompts = [p.strip() for p in cfg.sample.prompts.split(";") if p.strip()] or eval_captions(cfg)
+
+  def run_at(self, step: int, run) -> None:
+    from meshtrain.inference import t2i_sampler  # Pillow: the GPU machines have none; only t2i runs get here
+    s = run.cfg.sample
+    run.beat(step, "sampling images")
+    if self._sampler is None:
+      self._sampler = t2i_sampler.Sampler(run.layout, s.steps, s.guidance)
+    ids, index = t2i_sampler.prompt_ids(self.prompts, s.per_prompt, run.cfg.model.text_len)
+    pictures = self._sampler(run.sample_params, ids, [s.seed] * len(ids), index)  # every process: one program
+    if jax.process_index() != 0:
+      return
+    path = pathlib.Path(run.workdir) / dit_sampler.SAMPLES_DIR / f"step_{step}.png"
+    run.writer.image("samples", t2i_sampler.save_grid(path, pictures, self.prompts), step)
+    scores = t2i_sampler.judged(run.cfg.data.name, pictures, self.prompts)
+    if scores:
+      run.writer.write({"step": step, **scores})
+    run.writer.print(f"step {step}: samples of {len(self.prompts)} prompts in {path}"
+                     + (f"; {t2i_sampler.judged_line(scores)}" if scores else ""))
+
+
+def eval_captions(cfg, count: int = 4) -> list[str]:
+  """The first `count` distinct captions of the eval split, decoded from its caption ids."""
+  source = data.make_source(cfg, cfg.data.eval_split, shuffle=False)
+  found = []
+  for i in range(min(64, source.num_examples or 64)):
+    ids = source.example(i)[1]
+    text = bytes((ids[ids > 0] - 1).astype("uint8").tolist()).decode("utf-8", "replace")
+    if text not in found:
+      found.append(text)
+    if len(found) == count:
+      break
+  return found
+
+
 def for_loop(run: Run, notice, profiler, evaluate: Evaluate | None, checkpoint_meta: dict, extra=()) -> Hooks:
   """The loop's hooks in their order (see the module docstring): Preemption saves through the same Checkpoint hook,
   `run.metrics_log` (set before) writes the metrics, `notice` is the PreemptionNotice, `profiler` the StepProfiler,
   `checkpoint_meta` what every checkpoint's meta item holds besides the data position, `extra` the caller's."""
   save = Checkpoint(run.cfg.checkpoint_every, checkpoint_meta)
-  # The DiT's own periodic work: a sample grid (and, on digits, its quality) at eval_every.
-  task_hooks = [SampleHook(run.cfg)] if run.cfg.task == "dit" and run.cfg.eval_every else []
+  # The image families' own periodic work: a sample grid (and, on digits, its quality) at eval_every.
+  sample_hooks = {"dit": SampleHook, "t2i": PromptSampleHook}
+  task_hooks = [sample_hooks[run.cfg.task](run.cfg)] if run.cfg.task in sample_hooks and run.cfg.eval_every else []
   return Hooks([Preemption(notice, save), run.metrics_log, Heartbeat(run.watchdog), ProfileWindow(profiler),
                 *([evaluate] if evaluate else []), save, *task_hooks, *extra])
 
@@ -361,9 +412,11 @@ class LoopClock(Hook):
     self.seconds, self.steps = None, 0
 
   def after(self, step, run):
-    # Called after the metrics hook: at the second step it has fetched the first step's metrics.
+    # Called after the metrics hook: at the second step it has fetched the first step's metrics. The clock starts
+    # at the timer's mark of that fetch, not now: what the loop did since (the first metrics record's writing, with
+    # its lazy imports) is in the next step's time, and must be in the loop's time too.
     if step == run.start + 2:
-      self.t0, self.paused0, self.first = time.perf_counter(), run.timer.paused_s, step - 1
+      self.t0, self.paused0, self.first = run.timer.mark, run.timer.paused_at_mark, step - 1
 
   def end(self, run):
     if self.t0 is None:
@@ -392,7 +445,7 @@ class SampleHook(Periodic):
     if self._sampler is None:
       self._sampler = dit_sampler.Sampler(run.layout, s.steps, s.guidance)
     labels, index = dit_sampler.class_labels(range(cfg.model.num_classes), s.per_class)
-    images = self._sampler(run.params, labels, index, s.seed)  # every process: one program over the whole mesh
+    images = self._sampler(run.sample_params, labels, index, s.seed)  # every process: one program over the mesh
     if jax.process_index() != 0:
       return
     path = pathlib.Path(run.workdir) / dit_sampler.SAMPLES_DIR / f"step_{step}.png"

@@ -62,7 +62,7 @@ class Layout:
 
   def _init(self, key):
     params = nn.meta.unbox(self.task.model.init(key, *self.task.init_args(self.micro_batch))["params"])
-    return step_lib.TrainState.create(params, self.tx.init(params))
+    return step_lib.TrainState.create(params, self.tx.init(params), ema=self.cfg.optimizer.ema_decay > 0)
 
   def init(self, seed: int) -> step_lib.TrainState:
     """A fresh state, created directly in its shardings: no device ever holds a full replica."""
@@ -91,7 +91,8 @@ class Layout:
     fn = functools.partial(step_lib.train_step, loss_fn=self.task.loss, batch_axes=self.task.batch_axes(),
                            tx=self.tx, schedule=self.schedule, accum_steps=self.cfg.optimizer.grad_accum_steps,
                            nan_at_step=self.cfg.faults.nan_at_step,
-                           count_name=self.task.throughput_key.removesuffix("_per_sec"))
+                           count_name=self.task.throughput_key.removesuffix("_per_sec"),
+                           ema_decay=self.cfg.optimizer.ema_decay)
     replicated = NamedSharding(self.mesh, P())
     with self.context():
       return jax.jit(fn, in_shardings=(self.state_sharding, self.batch_shardings),
@@ -159,9 +160,11 @@ def build(cfg, mesh: Mesh, platform: str | None = None) -> Layout:
   opt_abstract = jax.eval_shape(tx.init, params_abstract)
   # Optimizer moments take their parameter's sharding; without this, jit would put them all on one device.
   opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, param_sh, transform_non_params=lambda _: replicated)
+  ema = cfg.optimizer.ema_decay > 0
   state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh, nonfinite_steps=replicated,
-                                 last_nonfinite_step=replicated)
-  abstract = step_lib.TrainState.create(params_abstract, opt_abstract)  # shapes only: the model is traced once
+                                 last_nonfinite_step=replicated, ema_params=param_sh if ema else None)
+  # Shapes only: the model is traced once.
+  abstract = jax.eval_shape(lambda p, o: step_lib.TrainState.create(p, o, ema), params_abstract, opt_abstract)
   state_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
   batch_sh = {k: NamedSharding(mesh, sharding.logical_to_spec(axes, rules)) for k, axes in task.batch_axes().items()}
   return Layout(cfg, mesh, rules, task, tx, optim.learning_rate_schedule(cfg.optimizer, cfg.steps), table,

@@ -109,3 +109,42 @@ def dit_model_config(name: str) -> ml_collections.ConfigDict:
   m.param_dtype = "float32"       # storage dtype of parameters and optimizer state
   m.remat = "none"                # rematerialization: none | full (recompute each block in the backward pass)
   return m
+
+
+_T2I_SHAPES = {
+    # name:  image_size, patch, d_model, heads, mlp_dim, double, single, axes_dim,     text: len, width, layers, heads
+    "tiny": (32,         4,     128,     4,     512,     2,      2,      (8, 12, 12),  32,        128,   2,      4),
+    # 1.27B parameters at 256 px in pixel space, patch 8 (1,024 image tokens): Flux's head width and RoPE
+    # split (128 = 16 + 56 + 56), a quarter of its depth; the latent version waits for the VAE.
+    "1b": (256,         8,     1536,    12,    6144,    8,      16,     (16, 56, 56), 128,       512,   4,      8),
+}
+T2I_PRESETS = tuple(_T2I_SHAPES)
+
+
+def t2i_model_config(name: str) -> ml_collections.ConfigDict:
+  """The `model` group of a text-to-image transformer (task=t2i, meshtrain/models/flux.py) for preset `name`."""
+  (image_size, patch, d_model, heads, mlp_dim, double, single, axes_dim, text_len, text_width, text_layers,
+   text_heads) = _T2I_SHAPES[name]
+  m = ml_collections.ConfigDict()
+  m.preset = name                 # informational: which preset these numbers came from
+  m.image_size = image_size       # square RGB images of image_size x image_size pixels
+  m.channels = 3
+  m.patch_size = patch            # each P x P patch is one image token: (image_size / P)^2 of them
+  m.d_model = d_model             # token width (D), divisible by num_heads
+  m.num_heads = heads
+  m.mlp_dim = mlp_dim             # GELU MLP hidden width (Flux: 4 x d_model)
+  m.double_layers = double        # double-stream (MMDiT) blocks: image and text weights apart, joint attention
+  m.single_layers = single        # single-stream blocks on the joint sequence
+  m.axes_dim = axes_dim           # RoPE features per position coordinate (0, row, column); sum = d_model / num_heads
+  m.text_len = text_len           # caption bytes read (UTF-8; longer captions are cut)
+  m.text_width = text_width       # the jointly trained text encoder: width, layers, heads, MLP width
+  m.text_layers = text_layers
+  m.text_heads = text_heads
+  m.text_mlp_dim = 4 * text_width
+  m.caption_dropout = 0.1         # training captions replaced by the empty one with this probability (for guidance)
+  m.shift = 0.0                   # time shift of training and sampling; 0: by resolution, Flux's rule (see t2i.py)
+  m.init_std = 0.02
+  m.dtype = "float32"             # compute dtype: float32 | bfloat16
+  m.param_dtype = "float32"
+  m.remat = "none"                # none | full
+  return m

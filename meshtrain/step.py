@@ -23,11 +23,22 @@ class TrainState(flax.struct.PyTreeNode):
   opt_state: Any
   nonfinite_steps: jax.Array  # int32: steps whose loss or gradients were not finite (their update was dropped)
   last_nonfinite_step: jax.Array  # int32: the latest such step, 0 if none
+  # With optimizer.ema_decay > 0: the exponential moving average of the parameters after each update, in float32
+  # (a bfloat16 average could not take steps of (1 - decay) x the difference); None without.
+  ema_params: Any = None
 
   @classmethod
-  def create(cls, params, opt_state) -> "TrainState":
+  def create(cls, params, opt_state, ema: bool = False) -> "TrainState":
     zero = jnp.zeros((), jnp.int32)
-    return cls(step=zero, params=params, opt_state=opt_state, nonfinite_steps=zero, last_nonfinite_step=zero)
+    ema_params = jax.tree.map(lambda p: p.astype(jnp.float32), params) if ema else None
+    return cls(step=zero, params=params, opt_state=opt_state, nonfinite_steps=zero, last_nonfinite_step=zero,
+               ema_params=ema_params)
+
+
+def ema_decay_at(decay: float, step):
+  """The EMA's decay after update `step` (1, 2, ...): min(decay, (1 + step) / (10 + step)), the warm-up of
+  diffusers' EMAModel, so the average follows the fast-moving early parameters instead of holding the init."""
+  return jnp.minimum(decay, (1.0 + step) / (10.0 + step))
 
 
 def _split_aux(aux: dict):
@@ -37,7 +48,8 @@ def _split_aux(aux: dict):
 
 
 def train_step(state: TrainState, batch, *, loss_fn: Callable, batch_axes: dict, tx: optax.GradientTransformation,
-               schedule: optax.Schedule, accum_steps: int = 1, nan_at_step: int = -1, count_name: str = "count"):
+               schedule: optax.Schedule, accum_steps: int = 1, nan_at_step: int = -1, count_name: str = "count",
+               ema_decay: float = 0.0):
   """One optimizer update on a global batch; returns the new state and scalar metrics (left on device).
 
   `loss_fn(params, batch) -> (objective, aux)` is the task's (meshtrain/tasks): the objective is a sum over the
@@ -48,6 +60,8 @@ def train_step(state: TrainState, batch, *, loss_fn: Callable, batch_axes: dict,
   A step whose loss or gradients are not finite leaves parameters and optimizer state unchanged (so a NaN state
   can never be saved) and is counted in the state; the host decides whether to stop or carry on.
   `nan_at_step` poisons that step's gradients: fault injection for testing exactly this path.
+  A state with `ema_params` moves them toward the new parameters: ema <- d ema + (1 - d) params, d =
+  ema_decay_at(ema_decay, step).
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if accum_steps == 1:
@@ -82,7 +96,13 @@ def train_step(state: TrainState, batch, *, loss_fn: Callable, batch_axes: dict,
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  ema_params = state.ema_params
+  if ema_params is not None:
+    d = ema_decay_at(ema_decay, step)
+    ema_params = keep(jax.tree.map(lambda e, p: d * e + (1 - d) * p.astype(jnp.float32), ema_params, params),
+                      ema_params)
   state = state.replace(step=step, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+                        ema_params=ema_params,
                         nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
                         last_nonfinite_step=jnp.where(finite, state.last_nonfinite_step, step))
   metrics = {"loss": loss_sum / count, "grad_norm": grad_norm, "learning_rate": schedule(step - 1),

@@ -201,13 +201,14 @@ def test_a_server_starts_on_the_newest_step_when_its_own_is_deleted(run, tmp_pat
   its parameters are read, the engine serves and follows the newest step there is then. A step asked for (serve
   --step): a one-line error."""
   from meshtrain.cli import serve
+  from meshtrain.inference import serving
   from meshtrain.inference.generator import Generator
   w = tmp_path / "w"
   shutil.copytree(run, w)
   restore, calls = retention(w)
   monkeypatch.setattr(reader._ParamsSource, "restore", restore)
   args, cfg, workdir, picked = serve.parse_args(["--workdir", str(w), "--slots", "1"])
-  engine = serve.language_engine(workdir, cfg, args)
+  engine = serving.language_engine(workdir, cfg, args)
   assert picked == 2 and calls == [2, 1] and engine.step_served == engine.live.step == 1
   shutil.rmtree(w)
   shutil.copytree(run, w)

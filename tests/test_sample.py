@@ -204,7 +204,8 @@ def test_bad_out_and_workdir(tmp_path, capsys):
 def test_language_model_workdir(tmp_path, capsys, task):
   run = fake_run(tmp_path / "lm", task=task)
   err = error_of(["--workdir", str(run), "--out", str(tmp_path / "g.png")], capsys)
-  assert f"{run} was trained with task=lm; sample needs a DiT run (task=dit); use python -m meshtrain.generate" in err
+  assert f"{run} was trained with task=lm" in err
+  assert "sample needs an image model (task=t2i or dit); use python -m meshtrain.generate" in err
 
 
 def test_defaults_come_from_the_run(tmp_path):

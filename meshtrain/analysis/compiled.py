@@ -11,7 +11,7 @@ import time
 
 import jax
 
-from meshtrain import layout as layout_lib, mesh as mesh_lib
+from meshtrain import families, layout as layout_lib, mesh as mesh_lib
 from meshtrain.analysis import estimate
 from meshtrain.costs import hlo
 from meshtrain.runtime import startup
@@ -75,6 +75,7 @@ def inspect(cfg) -> Report:
   startup.start(cfg)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh)
+  families.cost_model(cfg)  # a task that has none is refused before the compile, not after
   t0 = time.perf_counter()
   compiled = layout.compile_train_step()
   compile_s = time.perf_counter() - t0
@@ -86,7 +87,8 @@ def inspect(cfg) -> Report:
       devices=mesh.size, mesh={k: v for k, v in mesh.shape.items() if v > 1}, compile_time_s=compile_s,
       params_bytes_total=sum(r.size * r.dtype.itemsize for r in layout.table),
       params_bytes_per_device=_shard_bytes(layout.state_abstract.params),
-      optimizer_bytes_per_device=_shard_bytes(layout.state_abstract.opt_state),
+      # The parameters' average (ema_decay) with the optimizer state, as the estimate counts it.
+      optimizer_bytes_per_device=_shard_bytes((layout.state_abstract.opt_state, layout.state_abstract.ema_params)),
       batch_bytes_per_device=_shard_bytes(batch),
       argument_bytes_per_device=mem.argument_size_in_bytes, temp_bytes_per_device=mem.temp_size_in_bytes,
       flops_per_step=hlo.dot_flops(text), collectives=hlo.collectives(text, mesh), expected=expected,

@@ -174,6 +174,8 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   params_pd = sum(r.bytes_per_device for r in table)
   # AdamW keeps two moments per parameter in the parameter dtype, and a few replicated scalar counters.
   optimizer_pd = 2 * params_pd + _optimizer_scalar_bytes(cfg.optimizer.to_json(), cfg.steps)
+  if cfg.optimizer.ema_decay > 0:  # the average of the parameters, float32, split as they are
+    optimizer_pd += sum(r.bytes_per_device // r.dtype.itemsize * 4 for r in table)
   grads_pd = params_pd * (2 if accum > 1 else 1)   # accumulation keeps a running sum beside each micro-step's
   stack = model.stack(sizes)
 

@@ -149,7 +149,7 @@ def initial_state(layout, source: Source):
 
   def fresh(params):
     params = jax.tree.map(lambda p, dtype: p.astype(dtype), params, dtypes)
-    return step_lib.TrainState.create(params, layout.tx.init(params))
+    return step_lib.TrainState.create(params, layout.tx.init(params), ema=layout.cfg.optimizer.ema_decay > 0)
 
   with layout.context():
     # Donated: the loaded arrays become the state's, so the parameters are never held twice.

@@ -110,7 +110,8 @@ def task_of(meta: dict) -> str:
 def load_params(workdir, step: int | None = None, mesh=None, shardings=None, rules=None):
   """The parameters saved in `workdir` at `step` (default: the newest), and that checkpoint's meta item.
 
-  Only the `params` subtree of the `state` item is read (a partial restore: no optimizer state is touched), from a
+  Only the `params` subtree of the `state` item is read (a partial restore: no optimizer state is touched), or the
+  `ema_params` one where the run kept an average of its parameters (optimizer.ema_decay > 0), from a
   trained run (a TrainState) or a converted one (`{"params": ...}`, meta `params_only`). With `mesh=None` the
   leaves are numpy arrays on the host; with a mesh they are jax Arrays split by the model's logical rules (`rules`,
   default the `fsdp_tp` preset: whatever fsdp and tensor axes the mesh has split the weights, other axes
@@ -228,7 +229,10 @@ class _ParamsSource:
     if not isinstance(stored, dict) or "params" not in stored:
       raise UserError(f"the checkpoint at step {step} in {workdir} holds no params (its state has "
                       f"{sorted(stored) if isinstance(stored, dict) else type(stored).__name__})")
-    self.workdir, self.step, self.step_dir, self.meta, self.stored = workdir, step, step_dir, meta, stored["params"]
+    # A run that kept an average of its parameters (optimizer.ema_decay > 0) is read as that average: the weights
+    # diffusion models (and, mostly, language models too) are sampled and released with.
+    self.key = "ema_params" if stored.get("ema_params") else "params"
+    self.workdir, self.step, self.step_dir, self.meta, self.stored = workdir, step, step_dir, meta, stored[self.key]
 
   def restore(self, target, restore_args=None):
     """The params in `target` (a subtree of `stored`, or ShapeDtypeStructs with shardings and their
@@ -241,7 +245,7 @@ class _ParamsSource:
     try:
       with stderr_to(log, keep_empty=False), quiet_absl(), _threads_to_log(self.workdir, self.step):
         restored = checkpointer.restore(self.step_dir / "state", args=ocp.args.PyTreeRestore(
-            {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+            {self.key: target}, restore_args={self.key: restore_args}, partial_restore=True))
     except Exception as e:
       if _gone(self.step_dir):
         raise StepVanished(self.step, self.workdir) from e
@@ -249,7 +253,7 @@ class _ParamsSource:
                       f"{restore_problem(e, self.step_dir)} (Orbax's own report: {log})") from e
     finally:
       checkpointer.close()
-    return restored["params"]
+    return restored[self.key]
 
 
 def _param_shardings(meta: dict, mesh, rules, stored, workdir, step):

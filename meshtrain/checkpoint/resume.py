@@ -61,6 +61,13 @@ class ResumeCheck:
       raise UserError(f"the checkpoint at step {step} in {self.directory} was trained with task={trained_task}, "
                       f"this run has task={cfg.task}; resume it with its own config, or start a new --workdir")
     check_compatible(meta["config"], cfg.model, self.shape_fields, step, self.directory)
+    saved_ema = meta["config"].get("optimizer", {}).get("ema_decay", 0.0)
+    if (saved_ema > 0) != (cfg.optimizer.ema_decay > 0):
+      raise UserError(f"the checkpoint at step {step} in {self.directory} was written with optimizer.ema_decay="
+                      f"{saved_ema:g}, this run has {cfg.optimizer.ema_decay:g}: a run keeps its average of the "
+                      f"parameters from its first step or never; resume with ema_decay "
+                      f"{'> 0' if saved_ema > 0 else '= 0'}, or start a new --workdir (init_from can start one "
+                      "from this checkpoint)")
     if self.tok is not None:
       self._check_tokenizer(step, meta)
     if meta.get("layer_order", "sequential") != self.layer_order:

@@ -11,6 +11,10 @@ whose "sources" maps each source to {"documents", "tokens", "share", ...}.
 prints the first N rows of the first batch decoded, the tokens the loss trains on between ⟦ and ⟧ (all of packed
 text; the completion of prompt/completion rows; the assistant's turns of chat rows).
 
+For a text-to-image config (task=t2i), stats reports the captioned pictures instead: pictures per split, the first N
+steps' pictures, distinct captions, caption bytes against model.text_len, pixel statistics, and for your own pictures
+their original sizes and what was skipped.
+
 Local files (data.name a path or glob) are converted on first use, as training would (meshtrain/data/files.py).
 """
 import json
@@ -35,10 +39,16 @@ def main(argv: list[str]) -> int:
   if count < 1:
     raise UserError(f"--{'steps' if args.command == 'stats' else 'rows'} {count}: pass a positive number")
   cfg = config_lib.load(args.config, overrides)
-  if cfg.get("task", "lm") != "lm":
-    raise UserError(f"task={cfg.task}: `python -m meshtrain.data` reads text data (task=lm); image batches are "
-                    "shown by python -m meshtrain.sample")
+  task = cfg.get("task", "lm")
+  if task not in ("lm", "t2i") or (task == "t2i" and args.command == "show"):
+    raise UserError(f"task={task}: `python -m meshtrain.data {args.command}` reads text data (task=lm)"
+                    + (" and, for stats, captioned pictures (task=t2i)" if args.command == "stats" else "")
+                    + "; pictures a model draws are shown by python -m meshtrain.sample")
   from meshtrain.data import stats  # TFDS and grain: after the checks
+  if task == "t2i":
+    result = stats.image_stats(cfg, count)
+    print(json.dumps(result) if args.json else stats.format_image_stats(result))
+    return 0
   result = stats.stats(cfg, count) if args.command == "stats" else stats.show(cfg, count)
   if args.json:
     print(json.dumps(result, ensure_ascii=False))

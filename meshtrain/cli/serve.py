@@ -56,12 +56,12 @@ def parse_args(argv: list[str]):
   from meshtrain import checkpoint  # Orbax (and JAX): only once the arguments are checked
   step, meta = checkpoint.run_meta(args.workdir, args.step, "a training run or of a converted model")
   args.task = checkpoint.task_of(meta)
-  if args.task == "dit":
+  if args.task in ("dit", "t2i"):
     cfg = dit_request.run_config(meta["config"], overrides)
   elif args.task == "lm":
     cfg, args.dtype = config_lib.inference_config(overrides, "serving")
   else:
-    raise UserError(f"{args.workdir} was trained with task={args.task}; serve needs a language model or a DiT run")
+    raise UserError(f"{args.workdir} was trained with task={args.task}; serve needs a language model or an image run")
   return args, cfg, workdir, step
 
 

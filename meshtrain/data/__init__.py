@@ -8,13 +8,15 @@ Modules, lowest first (each imports only modules listed before it):
   chat           chat templates: conversations rendered and encoded as transformers' apply_chat_template does
   tfds_access    opening a TFDS split (and saying why it cannot be), building the local datasets, the cache lock
   files          a user's .jsonl/.json/.parquet/.txt files or `datasets` directory, converted once to a TFDS dataset
+  captioned      a user's captioned pictures (a folder with metadata, class subfolders, rows), converted likewise
   stdlib_corpus  the python_stdlib dataset, built from the interpreter's standard library
   digits         the digits image dataset, built from scikit-learn's copy
+  shapes         the shapes dataset: captioned pictures of coloured shapes, drawn locally (task=t2i's default)
   sources        the Source contract, synthetic tokens, the seeds and epoch permutations every source shares
   packing        text documents (TFDS or files) packed into sequences, with their document index and token cache
   sft            prompt/completion and chat rows (loss on the completion / the assistant), python_stdlib_sft
   mixture        several sources drawn in fixed proportions (grain's mix)
-  images         labelled image sources (task=dit)
+  images         labelled (task=dit) and captioned (task=t2i) image sources
   select         what a config selects: its tokenizer (a bpe:N trained on first use) and its source
   loader         global batches on the devices, and `Batches`, the train loop's prefetching input
   stats          what the first steps' batches hold, per source: `python -m meshtrain.data stats` and `show`
@@ -29,8 +31,8 @@ import importlib
 _EXPORTS = {"Batches": "loader", "global_batch": "loader", "process_rows": "loader", "make_source": "select",
             "tokenizer_for_config": "select", "Source": "sources", "PAD_ID": "tokenization", "EOS_ID": "tokenization",
             "BOS_ID": "tokenization", "VOCAB_SIZE": "tokenization", "encode": "tokenization", "decode": "tokenization"}
-_MODULES = ("tokenization", "chat", "tfds_access", "files", "stdlib_corpus", "digits", "sources", "packing", "sft",
-            "mixture", "images", "select", "loader", "stats")
+_MODULES = ("tokenization", "chat", "tfds_access", "files", "captioned", "stdlib_corpus", "digits", "shapes",
+            "sources", "packing", "sft", "mixture", "images", "select", "loader", "stats")
 
 __all__ = [*_MODULES, *_EXPORTS]
 

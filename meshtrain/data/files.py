@@ -37,6 +37,7 @@ import pathlib
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import tqdm
 
@@ -242,7 +243,7 @@ def resolve(spec: str, data, eval_fraction: float) -> Corpus:
 # --- reading records ------------------------------------------------------------------------------------------------
 
 
-def _json_lines(path: pathlib.Path):
+def json_lines(path: pathlib.Path):
   """(where, record or BadRecord) for each non-blank line of a JSON-lines file, read one line at a time."""
   offset = 0
   with open(path, "rb") as f:
@@ -268,7 +269,7 @@ def _json_file(path: pathlib.Path):
   with open(path, "rb") as f:
     head = f.read(4096).lstrip()
   if not head.startswith(b"["):
-    yield from _json_lines(path)
+    yield from json_lines(path)
     return
   yield from _json_array(path)
 
@@ -395,7 +396,7 @@ def _check_columns(where: str, names: list[str], fields: Fields) -> None:
                     f"{fields.setting()} to the column that holds it")
 
 
-def _table_rows(item: Input, fields: Fields):
+def table_rows(item: Input, fields: Fields):
   """(where, record) for each row of a .parquet file or a `datasets` directory's .arrow files, a batch at a time."""
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
@@ -426,7 +427,7 @@ def _table_rows(item: Input, fields: Fields):
 def records(item: Input, fields: Fields):
   """(where, record dict or BadRecord) for every record of one input."""
   if item.kind == "jsonl":
-    return _json_lines(item.path)
+    return json_lines(item.path)
   if item.kind == "json":
     return _json_file(item.path)
   if item.kind == "txt":
@@ -434,7 +435,7 @@ def records(item: Input, fields: Fields):
       raise UserError(f"{item.path}: a .txt file is one plain-text document, which data.format={fields.fmt} cannot "
                       "use; give .jsonl, .json or .parquet records")
     return _txt_file(item.path, fields.keys[0])
-  return _table_rows(item, fields)
+  return table_rows(item, fields)
 
 
 # --- converting -----------------------------------------------------------------------------------------------------
@@ -499,25 +500,32 @@ def _convert(corpus: Corpus, fields: Fields, eval_fraction: float, skip_bad: boo
 def prepare(spec: str, data, eval_fraction: float, quiet: bool = False) -> tuple[Corpus, dict]:
   """The converted dataset of the files `spec` names (converting them first if no run has): (corpus, manifest)."""
   corpus = resolve(spec, data, eval_fraction)
-  manifest_path = corpus.version_dir / MANIFEST
-  if not manifest_path.is_file():
-    with tfds_access.file_lock(corpus.root / f".{corpus.name}.lock"):
-      if not manifest_path.is_file():  # another process may have converted it while we waited
-        _convert_into_place(corpus, Fields.of(data), eval_fraction, bool(data.skip_bad_records))
-  manifest = json.loads(manifest_path.read_text())
+  fields, skip_bad = Fields.of(data), bool(data.skip_bad_records)
+  manifest = converted(corpus, lambda out: _convert(corpus, fields, eval_fraction, skip_bad, out), "documents")
   if manifest["skipped_records"] and not quiet:
     print(f"data: skipped {manifest['skipped_records']} bad records of {spec} (data.skip_bad_records=true); the "
           f"first: {manifest['first_skipped']}", flush=True)
   return corpus, manifest
 
 
-def _convert_into_place(corpus: Corpus, fields: Fields, eval_fraction: float, skip_bad: bool) -> None:
-  """Converts into a temporary directory beside the final one and renames it into place: a failure or a kill
-  leaves no directory a later run would take for a finished conversion."""
+def converted(corpus: Corpus, write: Callable[[pathlib.Path], dict], what: str) -> dict:
+  """The manifest of `corpus`'s conversion, which `write(out)` makes (writing the dataset into `out`, returning the
+  manifest with its "documents" per split) unless a run already has. One process per host converts (a lock); the
+  conversion goes into a temporary directory beside the final one, renamed into place when whole: a failure or a
+  kill leaves no directory a later run would take for a finished conversion."""
+  manifest_path = corpus.version_dir / MANIFEST
+  if not manifest_path.is_file():
+    with tfds_access.file_lock(corpus.root / f".{corpus.name}.lock"):
+      if not manifest_path.is_file():  # another process may have converted it while we waited
+        _convert_into_place(corpus, write, what)
+  return json.loads(manifest_path.read_text())
+
+
+def _convert_into_place(corpus: Corpus, write: Callable[[pathlib.Path], dict], what: str) -> None:
   corpus.version_dir.parent.mkdir(parents=True, exist_ok=True)
   tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{VERSION}.tmp", dir=corpus.version_dir.parent))
   try:
-    manifest = _convert(corpus, fields, eval_fraction, skip_bad, tmp)
+    manifest = write(tmp)
     # The manifest last: its presence is what says the conversion is whole.
     with io.open(tmp / MANIFEST, "w", encoding="utf-8") as f:
       json.dump(manifest, f, indent=1)
@@ -528,7 +536,7 @@ def _convert_into_place(corpus: Corpus, fields: Fields, eval_fraction: float, sk
         raise
     docs = manifest["documents"]
     print(f"data: converted {corpus.spec} ({len(corpus.inputs)} inputs) into {corpus.version_dir}: "
-          f"{docs['train']} training and {docs['validation']} held-out documents", flush=True)
+          f"{docs['train']} training and {docs['validation']} held-out {what}", flush=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
     if not corpus.version_dir.exists():

@@ -19,7 +19,8 @@ as array_record under data.data_dir (meshtrain never downloads). Records are rea
 """
 import numpy as np
 
-from meshtrain.data import digits, sources, tfds_access
+from meshtrain import config
+from meshtrain.data import captioned, digits, shapes, sources, tfds_access
 from meshtrain.errors import UserError
 
 # A split whose pixels take at most this many bytes is decoded once, when its source is made, and then served from
@@ -40,67 +41,93 @@ def to_unit_range(images_uint8: np.ndarray) -> np.ndarray:
 
 
 class ImageSource:
-  """Global example index -> (image uint8[H, W, C] or float32 in [-1, 1], label); batches are made by `rows`."""
+  """Global example index -> (image uint8[H, W, C] or float32 in [-1, 1], its target); batches are made by `rows`.
+
+  The target is a class label (task=dit: int32, batch key "labels") or a caption's ids (task=t2i: int32[S],
+  batch key "captions"): `target_key` and `target_shape` say which."""
 
   name: str
   split: str
   image_shape: tuple[int, int, int]   # (H, W, C)
   num_classes: int
   num_examples: int | None            # None: endless (synthetic)
+  target_key = "labels"
+  target_shape: tuple[int, ...] = ()
 
   def __init__(self, seed: int):
     self.seed = seed
 
-  def example(self, example_index: int) -> tuple[np.ndarray, int]:
+  def example(self, example_index: int) -> tuple[np.ndarray, int | np.ndarray]:
     raise NotImplementedError
 
   def rows(self, step: int, batch_size: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
     """Rows [start, stop) of the global batch at `step`: {"images" float32[n, H, W, C] in [-1, 1],
-    "labels" int32[n], "seeds" uint32[n]}, n = stop - start."""
+    target_key int32[n, *target_shape], "seeds" uint32[n]}, n = stop - start."""
     stop = batch_size if stop is None else stop
     if step < 0 or not 0 <= start <= stop <= batch_size:
       raise ValueError(f"bad rows request: step={step}, rows [{start}, {stop}) of a batch of {batch_size}")
     first = step * batch_size + start
     images_NHWC = np.empty((stop - start, *self.image_shape), np.float32)
-    labels_N = np.empty(stop - start, np.int32)
+    targets = np.empty((stop - start, *self.target_shape), np.int32)
     for r in range(stop - start):
-      image, labels_N[r] = self.example(first + r)
+      image, targets[r] = self.example(first + r)
       images_NHWC[r] = to_unit_range(image) if image.dtype == np.uint8 else image
-    return {"images": images_NHWC, "labels": labels_N, "seeds": row_seeds(self.seed, self.split, first, stop - start)}
+    return {"images": images_NHWC, self.target_key: targets,
+            "seeds": row_seeds(self.seed, self.split, first, stop - start)}
+
+
+def caption_ids(text: str, length: int) -> np.ndarray:
+  """int32[length]: the caption's UTF-8 bytes as ids 1..256 (0 is padding), cut at `length` bytes: what the text
+  encoder of task=t2i reads (meshtrain/models/flux.py)."""
+  data = text.encode("utf-8")[:length]
+  ids = np.zeros(length, np.int32)
+  ids[:len(data)] = np.frombuffer(data, np.uint8).astype(np.int32) + 1
+  return ids
 
 
 class SyntheticImageSource(ImageSource):
-  """Uniform noise in [-1, 1] and uniform labels, a function of (seed, split, index); no files, endless."""
+  """Uniform noise in [-1, 1] and uniform labels (or, with text_len, random printable captions of that many bytes), a
+  function of (seed, split, index); no files, endless."""
 
-  def __init__(self, seed: int, split: str, image_shape: tuple[int, int, int], num_classes: int):
+  def __init__(self, seed: int, split: str, image_shape: tuple[int, int, int], num_classes: int, text_len: int = 0):
     super().__init__(seed)
     self.name, self.split, self.image_shape = sources.SYNTHETIC, split, tuple(image_shape)
     self.num_classes = num_classes
     self.num_examples = None
+    self.text_len = text_len
+    if text_len:
+      self.target_key, self.target_shape = "captions", (text_len,)
     self._seed = sources.derive_seed("synthetic_images", seed, split)
 
-  def example(self, example_index: int) -> tuple[np.ndarray, int]:
+  def example(self, example_index: int) -> tuple[np.ndarray, int | np.ndarray]:
     rng = np.random.default_rng([self._seed, example_index])
-    return rng.uniform(-1, 1, self.image_shape).astype(np.float32), int(rng.integers(self.num_classes))
+    image = rng.uniform(-1, 1, self.image_shape).astype(np.float32)
+    if self.text_len:
+      return image, caption_ids(bytes(rng.integers(32, 127, self.text_len).tolist()).decode(), self.text_len)
+    return image, int(rng.integers(self.num_classes))
 
 
 class TfdsImageSource(ImageSource):
   """The records of one split of a TFDS image dataset, read by random access in per-epoch permuted order."""
 
   def __init__(self, data_source, *, name: str, split: str, image_key: str, label_key: str,
-               image_shape: tuple[int, int, int], num_classes: int, seed: int, shuffle: bool):
+               image_shape: tuple[int, int, int], num_classes: int, seed: int, shuffle: bool, text_len: int = 0):
+    """label_key: the ClassLabel feature; with text_len > 0, the caption (Text) feature, read as caption_ids."""
     super().__init__(seed)
     self.name, self.split, self.image_key, self.label_key = name, split, image_key, label_key
+    self.text_len = text_len
+    if text_len:
+      self.target_key, self.target_shape = "captions", (text_len,)
     self.image_shape, self.num_classes, self.shuffle = tuple(image_shape), num_classes, shuffle
     self._records = data_source
     self.num_examples = len(data_source)
     if self.num_examples == 0:
       raise UserError(f"data split {split!r} of dataset {name!r} holds no images; set data.train_split / "
                       "data.eval_split to a non-empty split or slice")
-    self._decoded = None  # (images uint8[N, H, W, C], labels int64[N]) when the split is small enough to keep
+    self._decoded = None  # (images uint8[N, H, W, C], targets [N, ...]) when the split is small enough to keep
     if self.num_examples * int(np.prod(self.image_shape)) <= DECODED_CACHE_BYTES:
       decoded = [self._read(i) for i in range(self.num_examples)]
-      self._decoded = (np.stack([image for image, _ in decoded]), np.array([label for _, label in decoded]))
+      self._decoded = (np.stack([image for image, _ in decoded]), np.stack([target for _, target in decoded]))
     # The order is seeded like the text sources' (packing.TfdsSource), so the two families share one convention.
     self._order_seed = sources.derive_seed("order", seed, name, split)
     self._large_order = None
@@ -119,21 +146,27 @@ class TfdsImageSource(ImageSource):
     permutation = sources.permutation(self._order_seed, example_index // n, n)
     return int(permutation[example_index % n])
 
-  def example(self, example_index: int) -> tuple[np.ndarray, int]:
+  def example(self, example_index: int) -> tuple[np.ndarray, int | np.ndarray]:
     record = self.record_index(example_index)
     if self._decoded is not None:
-      return self._decoded[0][record], int(self._decoded[1][record])
+      return self._decoded[0][record], self._decoded[1][record]
     return self._read(record)
 
-  def _read(self, record: int) -> tuple[np.ndarray, int]:
-    """(image uint8[H, W, C], label) of record `record` of the split, read and decoded from the dataset's files."""
+  def _read(self, record: int) -> tuple[np.ndarray, int | np.ndarray]:
+    """(image uint8[H, W, C], label or caption ids) of record `record` of the split, read and decoded from the
+    dataset's files."""
     values = self._records[record]
-    image, label = np.asarray(values[self.image_key]), int(values[self.label_key])
+    image, target = np.asarray(values[self.image_key]), values[self.label_key]
+    if self.text_len:
+      text = target.decode("utf-8") if isinstance(target, bytes) else str(target)
+      target = caption_ids(text, self.text_len)
+    else:
+      target = int(target)
     if image.shape != self.image_shape:
       # A dataset whose info declares the shape cannot hold another; this guards datasets written by hand.
       raise RuntimeError(f"record {record} of {self.name}/{self.split} has an image of shape {image.shape}, not the "
                          f"{self.image_shape} its features declare")
-    return image, label
+    return image, target
 
 
 # --- making sources ------------------------------------------------------------------------------------------
@@ -141,8 +174,10 @@ class TfdsImageSource(ImageSource):
 
 def make_source(cfg, split: str, shuffle: bool) -> ImageSource:
   """The image source for `split` of cfg.data.name (digits is built first if needed), its features checked against
-  cfg.data.image_key / label_key and the model (image_size, channels, num_classes)."""
+  cfg.data.image_key / label_key and the model (image_size, channels, num_classes). task=t2i: captioned images."""
   data, model = cfg.data, cfg.model
+  if cfg.task == "t2i":
+    return make_captioned_source(cfg, split, shuffle)
   expected = (model.image_size, model.image_size, model.channels)
   if data.name == sources.SYNTHETIC:
     return SyntheticImageSource(cfg.seed, split, expected, model.num_classes)
@@ -186,6 +221,14 @@ def check_features(name: str, features, image_key: str, label_key: str) -> tuple
 def check_model(name: str, image_shape: tuple[int, int, int], num_classes: int, model) -> None:
   """UserError when the model cannot take the dataset's images or labels (cfg.model: image_size, channels,
   num_classes)."""
+  check_image_size(name, image_shape, model)
+  if num_classes > model.num_classes:
+    raise UserError(f"dataset {name!r} has {num_classes} classes (labels 0..{num_classes - 1}), more than "
+                    f"model.num_classes={model.num_classes}; set --config.model.num_classes={num_classes}")
+
+
+def check_image_size(name: str, image_shape: tuple[int, int, int], model) -> None:
+  """UserError when the dataset's images are not the model's square model.image_size x model.channels."""
   height, width, channels = image_shape
   if height != width:
     raise UserError(f"dataset {name!r} has {height}x{width} images; the model takes square images "
@@ -194,6 +237,47 @@ def check_model(name: str, image_shape: tuple[int, int, int], num_classes: int, 
     raise UserError(f"dataset {name!r} has {height}x{width} images with {channels} channel(s), but the model takes "
                     f"model.image_size={model.image_size}, model.channels={model.channels}; set "
                     f"--config.model.image_size={height} --config.model.channels={channels}")
-  if num_classes > model.num_classes:
-    raise UserError(f"dataset {name!r} has {num_classes} classes (labels 0..{num_classes - 1}), more than "
-                    f"model.num_classes={model.num_classes}; set --config.model.num_classes={num_classes}")
+
+
+def make_captioned_source(cfg, split: str, shuffle: bool) -> ImageSource:
+  """task=t2i: the captioned images of cfg.data.name: `shapes` (built locally first), a folder or rows of your own
+  pictures (converted once: meshtrain/data/captioned.py), a TFDS dataset with an image and a Text feature
+  (data.image_key, data.caption_key), or synthetic."""
+  data, model = cfg.data, cfg.model
+  expected = (model.image_size, model.image_size, model.channels)
+  if data.name == sources.SYNTHETIC:
+    return SyntheticImageSource(cfg.seed, split, expected, 1, text_len=model.text_len)
+  if config.is_path(data.name):
+    ds, keys = captioned.open_split(cfg, split), (captioned.IMAGE, captioned.TEXT)
+  else:
+    if data.name == shapes.NAME:
+      shapes.build(data.data_dir)
+    ds, keys = tfds_access.open_tfds(data.name, split, data.data_dir), (data.image_key, data.caption_key)
+  image_shape = check_caption_features(data.name, ds.dataset_info.features, *keys)
+  check_image_size(data.name, image_shape, model)
+  return TfdsImageSource(ds, name=data.name, split=split, image_key=keys[0], label_key=keys[1],
+                         image_shape=image_shape, num_classes=1, seed=cfg.seed, shuffle=shuffle,
+                         text_len=model.text_len)
+
+
+def check_caption_features(name: str, features, image_key: str, caption_key: str) -> tuple[int, int, int]:
+  """(H, W, C) of dataset `name`'s fixed-size uint8 image feature `image_key`, which also has a Text feature
+  `caption_key`; UserError naming its features and the flag to set otherwise."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  items = dict(features.items()) if hasattr(features, "items") else {}
+  listing = "its features are: " + (", ".join(f"{k} ({type(f).__name__})" for k, f in items.items()) or "none")
+  texts = [k for k, f in items.items() if isinstance(f, tfds.features.Text)]
+  if not isinstance(items.get(caption_key), tfds.features.Text):
+    fix = (f"set --config.data.caption_key to one of its text features ({', '.join(texts)})" if texts else
+           "task=t2i needs captions; use data.name=shapes or a folder of your own captioned pictures")
+    raise UserError(f"dataset {name!r} has no text feature data.caption_key={caption_key!r}; {listing}; {fix}")
+  image = items.get(image_key)
+  if not isinstance(image, tfds.features.Image):
+    raise UserError(f"dataset {name!r} has no image feature data.image_key={image_key!r}; {listing}")
+  shape = tuple(image.shape)
+  if len(shape) != 3 or any(d is None for d in shape) or np.dtype(image.np_dtype) != np.uint8:
+    raise UserError(f"feature data.image_key={image_key!r} of dataset {name!r} holds {shape} images of "
+                    f"{np.dtype(image.np_dtype)}; task=t2i reads fixed-size uint8 images (or give your pictures as "
+                    "a folder: they are resized to model.image_size)")
+  return shape

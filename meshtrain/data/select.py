@@ -58,7 +58,7 @@ def make_source(cfg, split: str, shuffle: bool,
   `tok`: the tokenizer (default: the one cfg.data.tokenizer names, trained first if it is bpe:N).
   """
   data = cfg.data
-  if cfg.get("task", "lm") == "dit":  # labelled images, not tokens: meshtrain/data/images.py
+  if cfg.get("task", "lm") in ("dit", "t2i"):  # labelled or captioned images, not tokens: meshtrain/data/images.py
     return images.make_source(cfg, split, shuffle)
   if data.eval_name and split == data.eval_split and split != data.train_split:
     # All of a path's documents (both of its splits), or the TFDS dataset's data.eval_split.

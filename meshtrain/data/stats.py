@@ -9,12 +9,19 @@ Per source: `documents` (documents or records the rows read from; a document spa
 sources' tokens), `loss_tokens` (positions whose target is trained: every token of packed text, the completion or
 the assistant's tokens of prompt/completion or chat rows), `padding` (fraction of row positions past the real
 tokens) and `bytes_per_token` (UTF-8 bytes of the decoded tokens per token).
+
+Captioned pictures (task=t2i, `image_stats`): the pictures of each split, the first N steps' rows (pictures and
+distinct pictures read, distinct captions, caption bytes as the model reads them, the share that fill model.text_len
+and so may be cut, the pixels' mean and standard deviation), and for your own pictures what their conversion saw:
+pictures skipped, original widths and heights, caption lengths (meshtrain/data/captioned.py's manifest).
 """
+import statistics
 import dataclasses
 
 import numpy as np
 
-from meshtrain.data import mixture, select
+from meshtrain import config
+from meshtrain.data import captioned, images, mixture, select
 from meshtrain.step import IGNORE_ID
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # show: ⟦ ⟧ around the tokens whose targets are trained
@@ -101,3 +108,49 @@ def show(cfg, count: int) -> list[dict]:
         start = j
     out.append({"row": row, "source": names[k], "tokens": n, "text": "".join(pieces)})
   return out
+
+
+def image_stats(cfg, steps: int) -> dict:
+  """{"steps", "batch_size", "image_size", "text_len", "splits": {split: pictures}, "rows": {...}, and for a path
+  or glob "converted": {...}} of cfg's captioned training pictures (task=t2i)."""
+  train = images.make_source(cfg, cfg.data.train_split, shuffle=True)
+  splits = {cfg.data.train_split: train.num_examples}
+  if cfg.eval_every and cfg.data.eval_split:  # the eval split as training reads it: only when it evaluates
+    splits[cfg.data.eval_split] = images.make_source(cfg, cfg.data.eval_split, shuffle=False).num_examples
+  records, captions, lengths, pixels = set(), set(), [], []
+  for i in range(steps * cfg.batch_size):
+    image_HWC, ids_S = train.example(i)
+    records.add(train.record_index(i) if hasattr(train, "record_index") else i)
+    text = bytes((ids_S[ids_S > 0] - 1).astype(np.uint8).tolist())
+    captions.add(text)
+    lengths.append(len(text))
+    pixels.append(image_HWC.astype(np.float64) / 255)
+  pixels_NHWC = np.stack(pixels)
+  out = {"steps": steps, "batch_size": cfg.batch_size, "image_size": cfg.model.image_size,
+         "text_len": cfg.model.text_len, "splits": splits,
+         "rows": {"pictures": len(lengths), "distinct_pictures": len(records), "distinct_captions": len(captions),
+                  "caption_bytes": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
+                  "at_text_len": round(sum(n >= cfg.model.text_len for n in lengths) / len(lengths), 4),
+                  "pixel_mean": round(float(pixels_NHWC.mean()), 4), "pixel_std": round(float(pixels_NHWC.std()), 4)}}
+  if config.is_path(cfg.data.name):
+    manifest = captioned.prepare(cfg, quiet=True)[1]
+    out["converted"] = {k: manifest[k] for k in ("skipped_records", "first_skipped", "original_width",
+                                                  "original_height", "caption_chars")}
+  return out
+
+
+def format_image_stats(result: dict) -> str:
+  rows, size = result["rows"], result["image_size"]
+  b = rows["caption_bytes"]
+  lines = [f"pictures ({size}x{size}): " + ", ".join(f"{split} {n:,}" for split, n in result["splits"].items()),
+           f"first {result['steps']} steps x {result['batch_size']}: {rows['pictures']:,} pictures read "
+           f"({rows['distinct_pictures']:,} distinct), {rows['distinct_captions']:,} distinct captions",
+           f"caption bytes as read (model.text_len={result['text_len']}): min {b['min']}, median {b['median']:g}, "
+           f"max {b['max']}; {rows['at_text_len']:.1%} fill text_len (longer ones are cut)",
+           f"pixels in [0, 1]: mean {rows['pixel_mean']:.3f}, std {rows['pixel_std']:.3f}"]
+  if conv := result.get("converted"):
+    span = lambda s: f"{s['min']}..{s['max']} (median {s['median']:g})" if s else "-"
+    lines.append(f"converted: original width {span(conv['original_width'])}, height {span(conv['original_height'])}, "
+                 f"caption characters {span(conv['caption_chars'])}; {conv['skipped_records']} skipped"
+                 + (f" (the first: {conv['first_skipped']})" if conv["first_skipped"] else ""))
+  return "\n".join(lines)

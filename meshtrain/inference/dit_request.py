@@ -1,7 +1,10 @@
-"""What a DiT sampling request may ask, checked before JAX loads: the config a sampler builds from a run's saved
-config (`run_config`), and whether a request fits this host (`check_request`). `python -m meshtrain.sample` and the
-server's images endpoint use them; the sampler itself is meshtrain/inference/dit_sampler.py.
+"""What an image sampling request (task=dit or t2i) may ask, checked before JAX loads: the config a sampler builds
+from a run's saved config (`run_config`), whether a request fits this host (`check_request`), a request's prompts.
+`python -m meshtrain.sample` and the server's images endpoint use them; the samplers are
+meshtrain/inference/dit_sampler.py and t2i_sampler.py.
 """
+import pathlib
+
 import ml_collections
 
 from meshtrain import config as config_lib
@@ -28,6 +31,20 @@ def check_request(cfg, images: int, steps: int) -> None:
   if needed > (memory := host.host_memory_bytes()):
     raise UserError(f"{images:,} images ({tokens} tokens each) need about {needed / 1e9:,.1f} GB for one sampling "
                     f"step, more than this host's {memory / 1e9:,.1f} GB; pass fewer classes or a smaller --per-class")
+
+
+def prompts(given: list[str], path: str | None) -> list[str]:
+  """The prompts of a text-to-image request: those given, then the lines of the file at `path` (blank lines
+  skipped); UserError for an empty prompt or an unreadable file."""
+  found = list(given)
+  if path is not None:
+    try:
+      found += [line.strip() for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+      raise UserError(f"--prompts {path}: cannot read it ({e})") from e
+  if any(not p.strip() for p in found):
+    raise UserError("--prompt \"\" is empty; give the text to draw (the unconditional model is --guidance 0)")
+  return found
 
 
 def run_config(saved: dict, overrides: list[str]):

@@ -1,35 +1,56 @@
-"""Image generation behind the server: a trained DiT's class-conditional samples (POST /v1/images/generations).
+"""Image generation behind the server (POST /v1/images/generations): a text-to-image run's pictures of prompts
+(`PromptEngine`), or a trained DiT's class-conditional samples (`ImageEngine`).
+
+Prompts: every request waiting when the engine is free (up to MAX_BATCH pictures, those asking for the same number
+of Euler steps) is sampled as one batch by meshtrain/inference/t2i_sampler.py's compiled sampler, each request with
+its own guidance; picture k of a request with seed s starts from the noise of (s, k), so a seed gives the same
+picture alone or in a batch, as `python -m meshtrain.sample --prompt ... --seed s` draws it.
 
 Requests wait in a bounded queue; the engine thread samples them one at a time with meshtrain/inference/
 dit_sampler.py's compiled sampler (the run's `sample.steps` Euler steps and guidance, the images split over the
 mesh's batch axes). A request's n images are padded to a power of two (so that at most log2(max n) + 1 programs are
 ever compiled), and image k of class c starts from the noise of (seed, c, k): the same pictures as
-`python -m meshtrain.sample --classes c --per-class n --seed S` draws. JAX is imported inside the functions, after
-meshtrain.runtime.start.
+`python -m meshtrain.sample --classes c --per-class n --seed S` draws.
+
+Serving a run that is still training (`live`, meshtrain/inference/live.py, as for language models), the engine looks
+for a newer checkpoint between batches and swaps its parameters in, placed as the served ones: nothing is compiled
+again, and each answer names the step that drew it.
 """
 import collections
 import dataclasses
+import functools
 import io
 import math
 import secrets
+import sys
 import threading
 import time
 
+import jax
 import numpy as np
+from PIL import Image
 
 from meshtrain import checkpoint, layout as layout_lib, mesh as mesh_lib
-from meshtrain.data import digits
+from meshtrain.data import digits, images as images_lib
 from meshtrain.errors import UserError
-from meshtrain.inference import dit_sampler
+from meshtrain.inference import dit_request, dit_sampler, t2i_sampler
 from meshtrain.inference.engine import QueueFull
+from meshtrain.inference.live import LiveCheckpoints
+
+
+MAX_STEPS = dit_request.MAX_STEPS  # a request's own Euler steps at most
+MAX_BATCH = 32  # pictures sampled in one program: the requests that arrive together, up to this many
 
 
 @dataclasses.dataclass(eq=False)
 class ImageRequest:
-  """`n` images of class `label`; `on_done(request)` is called on the engine thread when `pngs` is set."""
-  label: int
+  """`n` images of `condition` (a class label, or a prompt's caption ids); `on_done(request)` is called on the
+  engine thread when `pngs` is set. `steps` and `guidance`: the request's own (prompts only), else the run's."""
+  condition: object
   n: int = 1
   seed: int | None = None
+  steps: int | None = None
+  guidance: float | None = None
   on_done: object = None
   pngs: list[bytes] = dataclasses.field(default_factory=list)
   submitted_at: float = 0.0
@@ -45,21 +66,46 @@ class ImageRequest:
     return self.finished_at is not None
 
 
+class ServedParams:
+  """The served parameters as LiveCheckpoints loads a newer step onto them: the layout's mesh and rules, and its
+  shardings of the parameters (what every compiled sampler was compiled for)."""
+
+  def __init__(self, layout, params):
+    self.mesh, self.rules, self.params = layout.mesh, layout.rules, params
+    self.shardings = layout.state_sharding.params
+
+  def place_params(self, params):
+    return jax.device_put(params, self.shardings)
+
+
 class ImageEngine:
   """Samples ImageRequests with `sampler` (a dit_sampler.Sampler) and the run's `params`; `class_names` (one per
-  label, or None) lets a prompt name a class."""
+  label, or None) lets a prompt name a class; `live` (LiveCheckpoints, with `served`: ServedParams) swaps in newer
+  checkpoints of a training run."""
 
   slots = 1      # one request sampled at a time (its n images in one program)
   leader = True  # served by one process
 
   def __init__(self, sampler, params, num_classes: int, image_shape: tuple[int, int, int], step: int,
-               class_names: list[str] | None = None, max_queue: int = 64, max_n: int = 8):
+               class_names: list[str] | None = None, max_queue: int = 64, max_n: int = 8,
+               live: LiveCheckpoints | None = None, served: ServedParams | None = None):
     self.sampler, self.params, self.num_classes = sampler, params, num_classes
     self.image_shape, self.step_served, self.class_names = tuple(image_shape), step, class_names
     self.max_queue, self.max_n = max_queue, max_n
+    self.live, self.served = live, served
     self.queue: collections.deque[ImageRequest] = collections.deque()
     self.lock = threading.Condition()
     self.running: ImageRequest | None = None
+
+  def swap(self) -> None:
+    """Serves a newer checkpoint of the live run when one is there (on the engine thread, between batches)."""
+    if self.live is None or (step := self.live.newer()) is None:
+      return
+    params = self.live.load(self.served, step)
+    if params is not None:
+      self.served.params = self.params = params
+      self.step_served = step
+      print(f"serving step {step} of {self.live.workdir} (nothing compiled again)", file=sys.stderr, flush=True)
 
   @property
   def queued(self) -> int:
@@ -69,7 +115,7 @@ class ImageEngine:
   def busy(self) -> int:
     return int(self.running is not None)
 
-  def label_of(self, prompt) -> int:
+  def condition_of(self, prompt) -> int:
     """The class a prompt names: its id (an integer or its digits) or, when the run's classes have names, a name
     (any case). UserError listing the classes otherwise."""
     text = str(prompt).strip()
@@ -100,6 +146,7 @@ class ImageEngine:
 
   def step(self) -> bool:
     """Samples the oldest waiting request (False when none waits)."""
+    self.swap()
     with self.lock:
       if not self.queue:
         return False
@@ -108,14 +155,9 @@ class ImageEngine:
       if request.cancelled:
         return True
       padded = 1 << (request.n - 1).bit_length()  # a power of two: few programs compiled
-      labels = np.full(padded, request.label, np.int32)
+      labels = np.full(padded, request.condition, np.int32)
       images = self.sampler(self.params, labels, np.arange(padded, dtype=np.int32), request.seed)[:request.n]
-      from PIL import Image  # Pillow only where images are served: the GPU machines carry none
-      for image in np.round(np.clip(images, 0, 1) * 255).astype(np.uint8):
-        out = io.BytesIO()
-        Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(out, format="PNG")
-        request.pngs.append(out.getvalue())
-      request.step = self.step_served
+      request.pngs, request.step = pngs(images), self.step_served
     finally:
       self.running = None
       request.finished_at = time.perf_counter()
@@ -131,6 +173,71 @@ class ImageEngine:
             self.lock.wait(idle_wait_s)
 
 
+def pngs(images01_NHWC) -> list[bytes]:
+  out = []
+  for image in np.round(np.clip(images01_NHWC, 0, 1) * 255).astype(np.uint8):
+    buffer = io.BytesIO()
+    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(buffer, format="PNG")
+    out.append(buffer.getvalue())
+  return out
+
+
+class PromptEngine(ImageEngine):
+  """Samples ImageRequests of prompts in batches: every waiting request of the oldest one's step count, up to
+  MAX_BATCH pictures, in one program of `samplers(steps)` (a t2i_sampler.Sampler per step count, made on first
+  use); guidance per request. The batch is padded to a power of two: few programs are ever compiled."""
+
+  def __init__(self, samplers, params, text_len: int, image_shape, step: int, steps: int, guidance: float,
+               max_queue: int = 64, max_n: int = 8, live: LiveCheckpoints | None = None,
+               served: ServedParams | None = None):
+    super().__init__(None, params, 0, image_shape, step, None, max_queue, max_n, live, served)
+    self.samplers, self.text_len, self.steps, self.guidance = samplers, text_len, steps, guidance
+
+  def condition_of(self, prompt) -> np.ndarray:
+    if not isinstance(prompt, str) or not prompt.strip():
+      raise UserError("prompt must be the text of the picture to draw (a non-empty string)")
+    return images_lib.caption_ids(prompt, self.text_len)
+
+  def step(self) -> bool:
+    self.swap()
+    with self.lock:
+      if not self.queue:
+        return False
+      steps = self.queue[0].steps or self.steps
+      batch, total = [], 0
+      for request in list(self.queue):
+        if (request.steps or self.steps) == steps and total + request.n <= MAX_BATCH:
+          self.queue.remove(request)
+          batch.append(request)
+          total += request.n
+      self.running = batch[0]
+    try:
+      live = [r for r in batch if not r.cancelled]
+      if live:
+        ids = np.concatenate([np.repeat(r.condition[None], r.n, axis=0) for r in live])
+        seeds = np.concatenate([np.full(r.n, r.seed, np.uint32) for r in live])
+        index = np.concatenate([np.arange(r.n, dtype=np.int32) for r in live])
+        guidance = np.concatenate([np.full(r.n, self.guidance if r.guidance is None else r.guidance, np.float32)
+                                   for r in live])
+        padded = 1 << (len(ids) - 1).bit_length()
+        extra = padded - len(ids)
+        pictures = self.samplers(steps)(self.params, np.concatenate([ids, np.zeros((extra, self.text_len), np.int32)]),
+                                        np.concatenate([seeds, np.zeros(extra, np.uint32)]),
+                                        np.concatenate([index, np.zeros(extra, np.int32)]),
+                                        np.concatenate([guidance, np.zeros(extra, np.float32)]))
+        start = 0
+        for r in live:
+          r.pngs, r.step = pngs(pictures[start:start + r.n]), self.step_served
+          start += r.n
+    finally:
+      self.running = None
+      for r in batch:
+        r.finished_at = time.perf_counter()
+        if r.on_done is not None:
+          r.on_done(r)
+    return True
+
+
 def class_names(cfg) -> list[str] | None:
   """The names of the run's classes, from its TFDS dataset's label feature where this machine has the dataset's
   metadata; None for digits (its names are its ids), synthetic data, or a dataset not here (ids still work)."""
@@ -144,7 +251,30 @@ def class_names(cfg) -> list[str] | None:
     return None
 
 
-def from_workdir(workdir, step: int, cfg, max_queue: int = 64, max_n: int = 8, asked: bool = True) -> ImageEngine:
+def from_workdir(workdir, step: int, cfg, max_queue: int = 64, max_n: int = 8, asked: bool = True,
+                 follow_s: float = 0.0) -> ImageEngine:
+  """`prompt_engine` for a text-to-image run, else `class_engine`; with `follow_s` > 0 (and no step `asked` for),
+  following the run's newer checkpoints, looked for every follow_s seconds."""
+  make = prompt_engine if cfg.task == "t2i" else class_engine
+  engine = make(workdir, step, cfg, max_queue, max_n, asked)
+  if follow_s > 0 and not asked:
+    engine.live = LiveCheckpoints(workdir, engine.step_served, follow_s)
+  return engine
+
+
+def prompt_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bool) -> PromptEngine:
+  """A PromptEngine of the t2i run in `workdir` at `step` on cfg's mesh (as from_workdir's class engine)."""
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  cfg.batch_size = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
+  layout = layout_lib.build(cfg, mesh)
+  params, _, step = checkpoint.read_params(workdir, step, asked, mesh=mesh, shardings=layout.state_sharding.params)
+  m, s = cfg.model, cfg.sample
+  samplers = functools.cache(lambda steps: t2i_sampler.Sampler(layout, steps, s.guidance))
+  return PromptEngine(samplers, params, m.text_len, (m.image_size, m.image_size, m.channels), step, s.steps,
+                      s.guidance, max_queue, max_n, served=ServedParams(layout, params))
+
+
+def class_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bool) -> ImageEngine:
   """An ImageEngine of the DiT run in `workdir` at `step`, with `cfg` from dit_request.run_config (its mesh and
   rules), as `python -m meshtrain.sample` builds its sampler. Unless the user `asked` for that step, the newest
   there is when a live run's retention deletes it first (the engine's `step` says which)."""
@@ -155,4 +285,5 @@ def from_workdir(workdir, step: int, cfg, max_queue: int = 64, max_n: int = 8, a
   params, _, step = checkpoint.read_params(workdir, step, asked, mesh=mesh, shardings=layout.state_sharding.params)
   m = cfg.model
   return ImageEngine(dit_sampler.Sampler(layout, cfg.sample.steps, cfg.sample.guidance), params, m.num_classes,
-                     (m.image_size, m.image_size, m.channels), step, class_names(cfg), max_queue, max_n)
+                     (m.image_size, m.image_size, m.channels), step, class_names(cfg), max_queue, max_n,
+                     served=ServedParams(layout, params))

@@ -266,7 +266,7 @@ class Server:
   async def generate_images(self, http: HttpRequest, body: dict) -> Response:
     if not self.makes_images:
       raise ApiError(400, "this server serves a language model: use /v1/completions or /v1/chat/completions "
-                          "(/v1/images/generations serves a DiT run)")
+                          "(/v1/images/generations serves image runs)")
     self.check_model(body)
     if body.get("response_format", "b64_json") != "b64_json":
       raise ApiError(400, "response_format must be b64_json (the images come back in the response; there are no "
@@ -274,14 +274,21 @@ class Server:
     height, width, _ = self.engine.image_shape
     if body.get("size") not in (None, "auto", f"{width}x{height}"):
       raise ApiError(400, f"size {body.get('size')!r}: this model draws {width}x{height} images", param="size")
+    prompts = isinstance(self.engine, image_engine.PromptEngine)
     if not isinstance(body.get("prompt"), (str, int)) or isinstance(body.get("prompt"), bool):
-      raise ApiError(400, "prompt must be a class: its id or its name", param="prompt")
+      raise ApiError(400, "prompt must be " + ("the text to draw" if prompts else "a class: its id or its name"),
+                     param="prompt")
+    if not prompts and ({"steps", "guidance"} & set(body)):
+      raise ApiError(400, "steps and guidance are set per request for text-to-image runs only; this DiT samples with "
+                          "its run's", param="steps" if "steps" in body else "guidance")
     loop = asyncio.get_running_loop()
     finished = asyncio.Event()
     try:
-      request = image_engine.ImageRequest(self.engine.label_of(body["prompt"]),
+      request = image_engine.ImageRequest(self.engine.condition_of(body["prompt"]),
                                           n=number(body, "n", int, 1, 1, self.engine.max_n),
                                           seed=number(body, "seed", int, None, 0, 2**32 - 1),
+                                          steps=number(body, "steps", int, None, 1, image_engine.MAX_STEPS),
+                                          guidance=number(body, "guidance", float, None, 0, 100),
                                           on_done=lambda _: loop.call_soon_threadsafe(finished.set))
       self.engine.submit(request)
     except UserError as e:

@@ -48,16 +48,17 @@ def language_engine(workdir, cfg, options) -> Engine:
 
 def image_engine(workdir, step: int, cfg, options) -> images.ImageEngine:
   if jax.process_count() > 1:
-    raise UserError("a DiT run is served by one process (its mesh over this host's devices); several processes "
+    raise UserError("an image run is served by one process (its mesh over this host's devices); several processes "
                     "serve a language model")
-  return images.from_workdir(workdir, step, cfg, max_queue=options.max_queue, asked=options.step is not None)
+  return images.from_workdir(workdir, step, cfg, max_queue=options.max_queue, asked=options.step is not None,
+                             follow_s=options.follow_s)
 
 
 def serve(cfg, workdir, step: int, options) -> None:
   """Serves the run in `workdir` (its checkpoint `step`, and newer ones while it trains) until SIGTERM; `options`
   are the command's (meshtrain/cli/serve.py)."""
   startup.start(cfg)  # XLA flags, CPU devices: as train and generate
-  engine = (image_engine(workdir, step, cfg, options) if options.task == "dit" else
+  engine = (image_engine(workdir, step, cfg, options) if options.task in ("dit", "t2i") else
             language_engine(workdir, cfg, options))
   # What start-up built (JAX's modules, the model, every compiled program) lives as long as the server: frozen out
   # of the collector's sight, a full collection no longer walks its objects with every thread of the process
@@ -73,7 +74,7 @@ def serve(cfg, workdir, step: int, options) -> None:
     engine.follow()
     return
   server = Server(engine, workdir.resolve().name, workdir=workdir, api_key=options.api_key, grace_s=options.grace_s)
-  what = ("images" if options.task == "dit" else
+  what = ("images" if options.task in ("dit", "t2i") else
           f"{engine.slots} slots, context {engine.max_len}, {engine.processes} process(es)")
   ready = lambda port: print(f"serving {server.model_name} on http://{options.host}:{port}/v1 ({what})",
                              file=sys.stderr, flush=True)

@@ -6,13 +6,14 @@ config fields (`<family>_config.py`: checks, model group, batch memory), registe
 The implementations are meshtrain/families/ (`families.build(cfg, mesh, platform)`, `families.cost_model(cfg)`):
   lm   a causal language model (Llama, optionally mixture-of-experts): meshtrain/families/lm.py
   dit  a class-conditional diffusion transformer on images (rectified flow): meshtrain/families/dit.py
+  t2i  a text-to-image transformer on Flux's architecture, on captioned images: meshtrain/families/t2i.py
 A third family is a module in meshtrain/families/, a config module here registered below, and a branch in
 `families.build` and `families.cost_model`; the loop, layout, checkpoints, launcher, planner and fault handling
 serve it unchanged.
 
 Contract (each family module defines a class with these members):
 
-  kind: str                      "lm" | "dit": `cfg.task`, recorded in every checkpoint's meta as "task"
+  kind: str                      "lm" | "dit" | "t2i": `cfg.task`, recorded in every checkpoint's meta as "task"
   model: flax.linen.Module       every parameter tagged with logical axes (meshtrain/models/params.py `param`)
   shape_fields: tuple[str, ...]  cfg.model fields that fix the parameter shapes: resume needs them equal
   throughput_key: str            the metrics.jsonl throughput name: "tokens_per_sec" | "images_per_sec"
@@ -74,11 +75,11 @@ Optional members (the core has a default without them):
                                   Default "sequential".
 """
 from meshtrain import config as config_lib
-from meshtrain.tasks import dit_config, lm_config
+from meshtrain.tasks import dit_config, lm_config, t2i_config
 
 # Each kind's own config fields, checked by config.load (which imports no task): registered here, once, when the
 # meshtrain package is imported (meshtrain/__init__.py imports this module).
-for _kind, _fields in (("lm", lm_config), ("dit", dit_config)):
+for _kind, _fields in (("lm", lm_config), ("dit", dit_config), ("t2i", t2i_config)):
   config_lib.register_task(_kind, config_lib.TaskFields(_fields.model_group, _fields.check, _fields.check_batch_memory))
 KINDS = tuple(config_lib.TASKS)
 
