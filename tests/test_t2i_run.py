@@ -27,8 +27,12 @@ STEPS = 600
 HELDOUT = [shapes.caption(c, s) for c, s in shapes.HELDOUT]
 SEED = 5
 N = 8
-# Chance is 1/18 on both counts; the full config (1,500 steps) reaches more (benchmarks/2026-12-05-t2i-quality.md).
-MIN_ACCURACY = 0.5
+SEEN = ["a red circle", "a purple triangle", "a white square"]
+# What a model that ignored its captions would score: colour 1/6, shape 1/3, both 1/18. At 600 steps the model has
+# learned colours and begun on shapes: held-out colour 0.42 and both 0.33, seen colour 1.0 measured here
+# (benchmarks/2026-12-05-t2i-quality.md, with the full config's numbers); the bounds leave room below those.
+MIN_HELDOUT = {"colour_accuracy": 0.3, "accuracy": 0.15}
+MIN_SEEN = {"colour_accuracy": 0.9}
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +63,15 @@ def test_pictures_follow_captions_held_out_of_training(run, tmp_path):
   records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
   judged = [r for r in records if "sample_heldout_accuracy" in r]
   assert judged and judged[-1]["step"] == STEPS and "sample_seen_accuracy" in judged[-1]
-  # After: N pictures of each held-out caption.
-  pictures, line = sampled(run, tmp_path, HELDOUT, N)
-  scores = shapes_judge.judge().score(pictures, list(np.repeat(HELDOUT, N)))
-  print(f"held-out captions after {STEPS} steps: {scores}")
-  assert scores["accuracy"] >= MIN_ACCURACY, scores
-  assert f"shapes judge: heldout captions {scores['accuracy']:.3f}" in line
+  # After: N pictures of each held-out caption and of three seen ones.
+  pictures, line = sampled(run, tmp_path, HELDOUT + SEEN, N)
+  judge = shapes_judge.judge()
+  heldout = judge.score(pictures[:3 * N], list(np.repeat(HELDOUT, N)))
+  seen = judge.score(pictures[3 * N:], list(np.repeat(SEEN, N)))
+  print(f"after {STEPS} steps: held-out captions {heldout}, seen captions {seen}")
+  assert all(heldout[k] >= v for k, v in MIN_HELDOUT.items()), heldout
+  assert all(seen[k] >= v for k, v in MIN_SEEN.items()), seen
+  assert f"shapes judge: heldout captions {heldout['accuracy']:.3f}" in line
 
 
 def test_served_prompts_are_the_sampled_pictures_alone_or_batched(run, tmp_path):

@@ -231,6 +231,10 @@ class Generator:
                         layers_as(params, self.model_cfg.num_layers, self.model_cfg.scan_layers),
                         self._given_shardings, self._perms, self.param_shardings)
 
+  def load_step(self, workdir, step: int):
+    """The parameters of `workdir`'s checkpoint at `step`, placed as `place_params` places them (LiveCheckpoints)."""
+    return self.place_params(checkpoint.load_params(workdir, step, mesh=self.mesh, rules=self.rules)[0])
+
   # --- prompts ---
 
   def encode(self, prompts) -> list[np.ndarray]:

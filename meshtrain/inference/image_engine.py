@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 
-import jax
 import numpy as np
 from PIL import Image
 
@@ -67,15 +66,15 @@ class ImageRequest:
 
 
 class ServedParams:
-  """The served parameters as LiveCheckpoints loads a newer step onto them: the layout's mesh and rules, and its
-  shardings of the parameters (what every compiled sampler was compiled for)."""
+  """The served parameters as LiveCheckpoints loads a newer step onto them: in the layout's shardings of the
+  parameters (what every compiled sampler was compiled for)."""
 
   def __init__(self, layout, params):
-    self.mesh, self.rules, self.params = layout.mesh, layout.rules, params
-    self.shardings = layout.state_sharding.params
+    self.params, self.shardings = params, layout.state_sharding.params
 
-  def place_params(self, params):
-    return jax.device_put(params, self.shardings)
+  def load_step(self, workdir, step: int):
+    """The parameters (or their average) of `workdir`'s checkpoint at `step`, in the served shardings."""
+    return checkpoint.load_params(workdir, step, shardings=self.shardings)[0]
 
 
 class ImageEngine:

@@ -37,11 +37,11 @@ class LiveCheckpoints:
     return steps[-1] if steps else None
 
   def load(self, generator, step: int):
-    """The parameters of `step` placed as `generator` holds its own, or None when they cannot be served (said once
-    on stderr; the caller keeps serving what it has)."""
+    """The parameters of `step` placed as `generator` (a Generator, or an image engine's ServedParams) holds its
+    own (its `load_step`), or None when they cannot be served (said once on stderr; the caller keeps serving what
+    it has)."""
     try:
-      params, _ = checkpoint.load_params(self.workdir, step, mesh=generator.mesh, rules=generator.rules)
-      placed = generator.place_params(params)
+      placed = generator.load_step(self.workdir, step)
     except checkpoint.StepVanished:
       return None  # deleted by the run's retention while read: a newer one is on its way
     except (UserError, ValueError, TypeError) as e:
