@@ -111,7 +111,7 @@ def hook_run(tmp_path, monkeypatch, data_name="digits"):
   monkeypatch.setattr(dit_sampler, "Sampler", Digits)
   cfg = ml_collections.ConfigDict(dict(eval_every=10, data=dict(name=data_name), model=dict(num_classes=10),
                                        sample=dict(steps=3, guidance=1.5, per_class=5, seed=4)))
-  run = types.SimpleNamespace(cfg=cfg, workdir=tmp_path, layout="layout", params="params", writer=FakeWriter(),
+  run = types.SimpleNamespace(cfg=cfg, workdir=tmp_path, layout="layout", sample_params="params", writer=FakeWriter(),
                               beat=lambda step, what: None)
   return hooks.SampleHook(cfg), run
 
