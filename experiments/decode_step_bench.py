@@ -61,8 +61,8 @@ def main():
     call = engine._decode(steps, span, rows or engine.slots)
 
     def run():
-      engine.state, tokens_KB = call(engine.params, engine.state)
-      return tokens_KB
+      engine.state, out = call(engine.params, engine.state)
+      return out["token"]
 
     def calls():  # enough calls for `steps` tokens per row, waited for once at the end
       for _ in range(args.steps // steps):

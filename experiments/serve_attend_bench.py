@@ -78,7 +78,8 @@ def main():
     calls = -(-len(prompts) // args.slots) * -(-args.max_tokens // spans.chunk)
     t0 = time.perf_counter()
     for _ in range(calls):
-      spans.state, tokens_KB = call(spans.params, spans.state)
+      spans.state, out = call(spans.params, spans.state)
+      tokens_KB = out["token"]
     tokens_KB.block_until_ready()
     return round(calls * spans.chunk * args.slots / (time.perf_counter() - t0), 1)
 

@@ -207,7 +207,7 @@ def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
   engine = engine_lib.Engine(gen, slots=2)
   before = engine.steps
   engine.warm(16)
-  assert set(engine.prefills) == {(16, 1), (16, 2)}
+  assert set(engine.prefills) == {(16, 1, False), (16, 2, False)}
   assert int(engine.state["t_B"][0]) == sum(k for k, *_ in engine.decodes)  # each decode program ran (row 0 is in all)
   requests = [greedy(0), greedy(4)]
   engine.submit(*requests)
@@ -632,21 +632,27 @@ def test_live_checkpoints_swap_in_without_compiling(tmp_path):
 
 @pytest.mark.slow  # several processes (the slow marker's kind): the 3.11 suite runs it
 @pytest.mark.parametrize("warm", [False, True], ids=["compiled-on-first-use", "warm"])
-def test_two_processes_serve_like_one(workdir, generated, warm):
+def test_two_processes_serve_like_one(workdir, generated, client, warm):
   """Two processes of 4 devices serve one model (fsdp=8 across both: every weight and slot row is split over the
   processes): process 0 serves HTTP and broadcasts each step's plan, both run it; concurrent greedy requests get
-  one process's generate tokens; SIGTERM to the launcher drains and both processes exit 0. Programs compiled on
-  first use (both processes compile in the same step, then meet at a barrier) or all of them by --warm before
-  serving (every process runs each once, in the same order: their collectives meet)."""
+  one process's generate tokens, and logprobs (echoed too) one process's server's; SIGTERM to the launcher drains
+  and both processes exit 0. Programs compiled on first use (both processes compile in the same step, then meet at
+  a barrier) or all of them by --warm before serving (every process runs each once, in the same order: their
+  collectives meet)."""
   proc, url = start_server(workdir, "--slots", "8", "--config.mesh.data=1", "--config.sharding.rules=fsdp",
                            "--config.mesh.fsdp=4", "--config.mesh.nodes.fsdp=2", *["--warm"] * warm,
                            launch=["-m", "meshtrain.launch", "--processes", "2", "--devices-per-process", "4",
                                    "--module", "meshtrain.serve", "--"])
   try:
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
-    ask = lambda ids: client.completions.create(model=None, prompt=ids, max_tokens=24, temperature=0).choices[0].text
+    both = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    ask = lambda ids: both.completions.create(model=None, prompt=ids, max_tokens=24, temperature=0).choices[0].text
     with concurrent.futures.ThreadPoolExecutor(len(PROMPT_IDS)) as pool:
       assert list(pool.map(ask, PROMPT_IDS)) == generated
+    scored = lambda c: c.completions.create(model=None, prompt=PROMPT_IDS[1], max_tokens=4, temperature=0, logprobs=2,
+                                            echo=True).choices[0].logprobs
+    two, one = scored(both), scored(client)
+    assert two.tokens == one.tokens
+    np.testing.assert_allclose(two.token_logprobs[1:], one.token_logprobs[1:], atol=1e-4)
     time.sleep(1.5)  # idle: process 0 keeps the other one in step meanwhile
     assert ask(PROMPT_IDS[0]) == generated[0]
     proc.send_signal(signal.SIGTERM)

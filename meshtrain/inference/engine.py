@@ -85,6 +85,10 @@ ATTEND_MIN = 64
 # them. Not finer: each count multiplies the decode programs compiled (steps x spans x rows), and one row costs
 # about what two do.
 ROW_DIVISORS = (4, 2, 1)
+# The most alternatives a token's logprobs list (OpenAI's bound on `logprobs` / `top_logprobs`): a step computes
+# this many for every row when any row asks for some (one top_k program, not one per count), and each row keeps
+# the number it asked for.
+TOP_LOGPROBS = 20
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
 # CPU backend's collectives give a peer that is late only so long).
 IDLE_S = 0.5
@@ -106,8 +110,18 @@ class Request:
   top_k: int = 0
   seed: int | None = None
   stop: tuple[str, ...] = ()
+  logprobs: int | None = None  # each new token's logprob and this many of the most likely (0-20); None: none
+  echo: bool = False           # the prompt's logprobs too (its first token has none); max_tokens may then be 0
+  ignore_eos: bool = False     # the end-of-sequence token does not end it (it is kept, and shows no text)
+  stop_token_ids: tuple[int, ...] = ()  # tokens that end it as its end-of-sequence token does
   on_update: object = None
   token_ids: list[int] = dataclasses.field(default_factory=list)  # new tokens, the end-of-sequence token included
+  # With `logprobs`: per new token, its logprob and the `logprobs` most likely (id, logprob) pairs; with `echo`,
+  # the same per prompt token (None for the first). Float32 log-softmax of the logits the token was drawn from.
+  token_logprobs: list[float] = dataclasses.field(default_factory=list)
+  top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  prompt_logprobs: list = dataclasses.field(default_factory=list)
+  prompt_top_logprobs: list = dataclasses.field(default_factory=list)
   text: str = ""               # the completion's text (up to a stop string, which is left out)
   finish_reason: str | None = None
   submitted_at: float = 0.0
@@ -162,6 +176,26 @@ def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
   return jax.lax.cond(jnp.any(temp_B > 0), draw, lambda _: greedy_B, None)
 
 
+def logprobs_rows(logits_BV, token_B, want_B, num_ids: int):
+  """Each row's token's logprob [B] and the TOP_LOGPROBS most likely ids < num_ids and their logprobs [B, A],
+  float32: the model's own distribution (before temperature, top_p and top_k, as vLLM reports them), normalised
+  over the whole vocabulary as the training loss is, so that a text's logprobs sum to minus its loss; the
+  alternatives are ids the sampler can draw, so a greedy token's logprob is the top one. Computed only when some
+  row asks (`want_B`): zeros otherwise."""
+  V = logits_BV.shape[-1]
+  A = min(TOP_LOGPROBS, num_ids)
+
+  def compute(_):
+    lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    top_lp_BA, top_id_BA = jax.lax.top_k(jnp.where(jnp.arange(V) < num_ids, lp_BV, -jnp.inf) if num_ids < V
+                                         else lp_BV, A)
+    return jnp.take_along_axis(lp_BV, token_B[:, None], axis=-1)[:, 0], top_id_BA.astype(jnp.int32), top_lp_BA
+
+  B = logits_BV.shape[0]
+  none = lambda _: (jnp.zeros(B, jnp.float32), jnp.zeros((B, A), jnp.int32), jnp.zeros((B, A), jnp.float32))
+  return jax.lax.cond(jnp.any(want_B), compute, none, None)
+
+
 def key_data(seed):
   """The key data of `jax.random.key(seed)` for a request's seed (traceable: the prefill derives its rows' keys on the
   device, not one host-side JAX call per prompt). JAX, 64-bit types off as meshtrain runs it, seeds a key with the
@@ -171,9 +205,10 @@ def key_data(seed):
 
 
 class DecodeCall(typing.NamedTuple):
-  """A decode call dispatched on process 0 and not yet read: its tokens [steps, rows] (on the device), the
-  requests that held its slots when it was dispatched, its steps, and when it was dispatched."""
-  tokens_KR: object
+  """A decode call dispatched on process 0 and not yet read: its tokens [steps, rows] and their logprobs (on the
+  device: `decode`'s out), the requests that held its slots when it was dispatched, its steps, and when it was
+  dispatched."""
+  out: dict
   active: dict
   steps: int
   dispatched_at: float
@@ -182,10 +217,11 @@ class DecodeCall(typing.NamedTuple):
 @dataclasses.dataclass
 class Plan:
   """One engine step, as process 0 decides it: a checkpoint to swap in, prompts to admit (slot, (ids, seed,
-  temperature, top_p, top_k)), decode steps to run, or the end of serving. Encoded as int32 for the broadcast."""
+  temperature, top_p, top_k, logprobs, echo)), decode steps to run, or the end of serving. Encoded as int32 for
+  the broadcast."""
   swap: int | None = None
   admit: list = dataclasses.field(default_factory=list)     # (slot, Request): process 0's, before encoding
-  prompts: list = dataclasses.field(default_factory=list)   # (slot, (ids, seed, temperature, top_p, top_k))
+  prompts: list = dataclasses.field(default_factory=list)   # (slot, (ids, seed, temp, top_p, top_k, logprobs, echo))
   decode: int = 0
   attend: int = 0   # the cache slots the decode steps attend over (a program of Engine.attends)
   rows: int = 0     # the slots the decode steps decode: the first `rows` (a program of Engine.row_counts)
@@ -197,7 +233,8 @@ class Plan:
            len(self.admit)]
     for slot, r in self.admit:  # the seed (any 64-bit integer) as its low and high 32 bits
       low, high = np.asarray(r.seed & 0xFFFFFFFF, np.uint32).view(np.int32), r.seed >> 32
-      out += [slot, low, high, as_int(r.temperature), as_int(r.top_p), r.top_k, len(r.prompt_ids), *r.prompt_ids]
+      out += [slot, low, high, as_int(r.temperature), as_int(r.top_p), r.top_k,
+              -1 if r.logprobs is None else r.logprobs, int(r.echo), len(r.prompt_ids), *r.prompt_ids]
     return np.asarray(out, np.int32)
 
   @classmethod
@@ -207,11 +244,26 @@ class Plan:
     plan = cls(stop=bool(x[0]), swap=None if x[1] < 0 else x[1], decode=x[2], attend=x[3], rows=x[4])
     at = 6
     for _ in range(x[5]):
-      slot, low, high, temp, top_p, top_k, n = x[at:at + 7]
+      slot, low, high, temp, top_p, top_k, logprobs, echo, n = x[at:at + 9]
       seed = (high << 32) | (low & 0xFFFFFFFF)
-      plan.prompts.append((slot, (x[at + 7:at + 7 + n], seed, as_float(temp), as_float(top_p), top_k)))
-      at += 7 + n
+      plan.prompts.append((slot, (x[at + 9:at + 9 + n], seed, as_float(temp), as_float(top_p), top_k, logprobs,
+                                  bool(echo))))
+      at += 9 + n
     return plan
+
+
+def tops(ids_LA, logprobs_LA, k: int) -> list:
+  """Per position, its k most likely (id, logprob) pairs, from a step's TOP_LOGPROBS."""
+  return [list(zip(i[:k].tolist(), lp[:k].tolist())) for i, lp in zip(ids_LA, logprobs_LA)]
+
+
+def logprobs_of(out: dict, row: int, k: int | None) -> list | None:
+  """(logprob, top k pairs) of each token of row `row` of a prefill's or decode call's numpy out; None when the
+  request asked for none."""
+  if k is None:
+    return None
+  chosen, top_id, top_lp = (np.atleast_1d(out[name][row]) for name in ("logprob", "top_id", "top_logprob"))
+  return list(zip(chosen.tolist(), tops(top_id.reshape(len(chosen), -1), top_lp.reshape(len(chosen), -1), k)))
 
 
 class Engine:
@@ -282,7 +334,7 @@ class Engine:
       return {"cache": cache.replace(end=jnp.zeros(B, jnp.int32)), "token_B": jnp.zeros(B, jnp.int32),
               "t_B": jnp.zeros(B, jnp.int32), "key_B": jnp.zeros((B, *key_data(0).shape), jnp.uint32),
               "temp_B": jnp.zeros(B, jnp.float32), "top_p_B": jnp.ones(B, jnp.float32),
-              "top_k_B": jnp.zeros(B, jnp.int32)}
+              "top_k_B": jnp.zeros(B, jnp.int32), "logprobs_B": jnp.full(B, -1, jnp.int32)}
 
     def decode(params, state, attend):
       # Every row holding a request writes below `attend` during the call (the plan picks it so); a free row keeps
@@ -293,19 +345,22 @@ class Engine:
       logits_B1V, cache = g.model.apply({"params": params}, state["token_B"][:, None], cache=cache)
       keys_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state["key_B"]), state["t_B"])
       token_B = sample_rows(logits_B1V[:, 0], keys_B, state["temp_B"], state["top_p_B"], state["top_k_B"], g.num_ids)
-      return {**state, "cache": cache.replace(attend=0), "token_B": token_B, "t_B": state["t_B"] + 1}, token_B
+      out = dict(zip(("token", "logprob", "top_id", "top_logprob"), (token_B, *logprobs_rows(
+          logits_B1V[:, 0], token_B, state["logprobs_B"] >= 0, g.num_ids))))
+      return {**state, "cache": cache.replace(attend=0), "token_B": token_B, "t_B": state["t_B"] + 1}, out
 
     def decode_steps(params, state, steps, attend, rows):
       """`steps` decode steps in one device call of the first `rows` slots, attending over the cache's first
-      `attend` slots: tokens [steps, rows]. The cache's arrays pass whole (the model writes into their first rows:
-      llama.write_slots), the rows' start, end, tokens and sampling settings as the first `rows` of each."""
+      `attend` slots: tokens [steps, rows], their logprobs [steps, rows] and top ones [steps, rows, A]. The
+      cache's arrays pass whole (the model writes into their first rows: llama.write_slots), the rows' start, end,
+      tokens and sampling settings as the first `rows` of each."""
       cache = state["cache"]
       head = {k: v[:rows] for k, v in state.items() if k != "cache"}
       head["cache"] = cache.replace(start_B=cache.start_B[:rows], end=cache.end[:rows])
-      head, tokens_KR = jax.lax.scan(lambda s, _: decode(params, s, attend), head, None, length=steps)
+      head, out_KR = jax.lax.scan(lambda s, _: decode(params, s, attend), head, None, length=steps)
       merged = {k: state[k].at[:rows].set(v) for k, v in head.items() if k != "cache"}
       merged["cache"] = head["cache"].replace(start_B=cache.start_B, end=cache.end.at[:rows].set(head["cache"].end))
-      return merged, tokens_KR
+      return merged, out_KR
 
     self._decode_steps = decode_steps
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
@@ -331,32 +386,41 @@ class Engine:
   def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
-  def _prefill(self, P: int, R: int):
-    """The compiled prefill-and-insert of R prompts padded to P tokens (compiled on first use; with several
-    processes, all of them compile it in the same step, then wait for each other before its first run)."""
-    if (P, R) not in self.prefills:
-      self.prefills[P, R] = self._compile_prefill(P, R)
+  def _prefill(self, P: int, R: int, echo: bool = False):
+    """The compiled prefill-and-insert of R prompts padded to P tokens, with the prompts' own logprobs when `echo`
+    (compiled on first use; with several processes, all of them compile it in the same step, then wait for each
+    other before its first run)."""
+    if (P, R, echo) not in self.prefills:
+      self.prefills[P, R, echo] = self._compile_prefill(P, R, echo)
       startup.barrier("serving's first run of a compiled prefill", self.gen.barrier_timeout_s)
-    return self.prefills[P, R]
+    return self.prefills[P, R, echo]
 
   def _rows(self, count: int) -> int:
     """Rows of a prefill of `count` prompts: a power of two (few programs), whole rows on every batch shard."""
     ways = self.gen.batch_ways
     return -(-(1 << (max(count, ways) - 1).bit_length()) // ways) * ways
 
-  def _compile_prefill(self, P: int, R: int):
+  def _compile_prefill(self, P: int, R: int, echo: bool):
     g, c = self.gen, self.gen.model_cfg
 
-    def prefill(params, state, tokens_RP, rows_R6):
-      """Rows past the prompts (slot_R = slots, out of range) fill the batch: their writes are dropped. `rows_R6`:
-      each row's start, slot, seed (its low 32 bits), temperature, top_p (float32 bits) and top_k, one array (one
-      transfer: seven cost the host more than a small model's prefill)."""
-      start_R, slot_R, top_k_R = rows_R6[:, 0], rows_R6[:, 1], rows_R6[:, 5]
-      temp_R, top_p_R = (jax.lax.bitcast_convert_type(rows_R6[:, i], jnp.float32) for i in (3, 4))
-      key_data_R = jax.vmap(key_data)(jax.lax.bitcast_convert_type(rows_R6[:, 2], jnp.uint32))
-      logits_R1V, pre = g.model.apply({"params": params}, tokens_RP, cache=init_cache(c, R, P, start_R))
+    def prefill(params, state, tokens_RP, rows_R8):
+      """Rows past the prompts (slot_R = slots, out of range) fill the batch: their writes are dropped. `rows_R8`:
+      each row's start, slot, seed (its low 32 bits), temperature, top_p (float32 bits), top_k, logprobs (-1: none)
+      and echo, one array (one transfer: eight cost the host more than a small model's prefill)."""
+      start_R, slot_R, top_k_R, logprobs_R = rows_R8[:, 0], rows_R8[:, 1], rows_R8[:, 5], rows_R8[:, 6]
+      temp_R, top_p_R = (jax.lax.bitcast_convert_type(rows_R8[:, i], jnp.float32) for i in (3, 4))
+      key_data_R = jax.vmap(key_data)(jax.lax.bitcast_convert_type(rows_R8[:, 2], jnp.uint32))
+      logits_RLV, pre = g.model.apply({"params": params}, tokens_RP, cache=init_cache(c, R, P, start_R),
+                                      every_column=echo)
       keys_R = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_R), jnp.zeros(R, jnp.int32))
-      token_R = sample_rows(logits_R1V[:, 0], keys_R, temp_R, top_p_R, top_k_R, g.num_ids)
+      token_R = sample_rows(logits_RLV[:, -1], keys_R, temp_R, top_p_R, top_k_R, g.num_ids)
+      out = dict(zip(("token", "logprob", "top_id", "top_logprob"),
+                     (token_R, *logprobs_rows(logits_RLV[:, -1], token_R, logprobs_R >= 0, g.num_ids))))
+      if echo:  # column j's logits score the prompt's token j + 1: [R, P - 1] and [R, P - 1, A]
+        chosen, top_id, top_lp = logprobs_rows(logits_RLV[:, :-1].reshape(R * (P - 1), -1),
+                                               tokens_RP[:, 1:].reshape(-1), jnp.ones(1, bool), g.num_ids)
+        out.update(prompt_logprob=chosen.reshape(R, P - 1), prompt_top_id=top_id.reshape(R, P - 1, -1),
+                   prompt_top_logprob=top_lp.reshape(R, P - 1, -1))
       # Each prompt's P slots go to the front of its slot's row (a scatter over the rows: one call for them all).
       insert = lambda full, new: (tuple(f.at[slot_R, :, :P].set(n, mode="drop") for f, n in zip(full, new))
                                   if isinstance(full, tuple) else full.at[:, slot_R, :, :P].set(new, mode="drop"))
@@ -366,11 +430,12 @@ class Engine:
                             start_B=at(cache.start_B, start_R), end=at(cache.end, jnp.full(R, P, jnp.int32)))
       return {"cache": cache, "token_B": at(state["token_B"], token_R), "t_B": at(state["t_B"], jnp.ones(R, jnp.int32)),
               "key_B": at(state["key_B"], key_data_R), "temp_B": at(state["temp_B"], temp_R),
-              "top_p_B": at(state["top_p_B"], top_p_R), "top_k_B": at(state["top_k_B"], top_k_R)}, token_R
+              "top_p_B": at(state["top_p_B"], top_p_R), "top_k_B": at(state["top_k_B"], top_k_R),
+              "logprobs_B": at(state["logprobs_B"], logprobs_R)}, out
 
     args = (self._abstract(g.params), self._abstract(self.state),
             jax.ShapeDtypeStruct((R, P), jnp.int32, sharding=self.batch_sharding),
-            jax.ShapeDtypeStruct((R, 6), jnp.int32, sharding=self.replicated))
+            jax.ShapeDtypeStruct((R, 8), jnp.int32, sharding=self.replicated))
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
       return jax.jit(prefill, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
           *args).compile()
@@ -388,8 +453,8 @@ class Engine:
     for k in sorted({1, self.chunk}):
       for attend in self.attends:
         for rows in self.row_counts:
-          self.state, tokens_KR = self._decode(k, attend, rows)(self.params, self.state)
-          np.asarray(tokens_KR)
+          self.state, out_KR = self._decode(k, attend, rows)(self.params, self.state)
+          np.asarray(out_KR["token"])
 
   # --- requests ---
 
@@ -401,8 +466,10 @@ class Engine:
     if n >= self.max_len:
       raise UserError(f"the prompt is {n} tokens, but the model's context is {self.max_len} tokens, which leaves no "
                       "room for a new token; shorten the prompt")
-    if request.max_tokens < 1:
-      raise UserError(f"max_tokens {request.max_tokens} must be at least 1")
+    if request.max_tokens < (0 if request.echo else 1):
+      raise UserError(f"max_tokens {request.max_tokens} must be at least {0 if request.echo else 1}")
+    if request.logprobs is not None and not 0 <= request.logprobs <= TOP_LOGPROBS:
+      raise UserError(f"logprobs {request.logprobs} must be between 0 and {TOP_LOGPROBS}")
     vocab = self.gen.model_cfg.vocab_size
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
       raise UserError(f"the prompt has a token id outside the model's vocabulary 0..{vocab - 1}")
@@ -554,15 +621,17 @@ class Engine:
             and (len(self.active) == self.slots or quick))
 
   def _read(self, call: DecodeCall) -> None:
-    """Reads a decode call's tokens (waiting for the device) and gives each request still in its slot its own."""
-    tokens_RK = np.asarray(call.tokens_KR).T
+    """Reads a decode call's tokens (waiting for the device) and gives each request still in its slot its own, with
+    their logprobs where it asked (read from the device only then)."""
+    want = any(r.logprobs is not None for r in call.active.values())
+    out = {k: np.swapaxes(np.asarray(v), 0, 1) for k, v in call.out.items() if want or k == "token"}  # [R, K, ...]
     # The call ran from its dispatch, or from the end of the one before it (read here last) if that was later.
     now = time.perf_counter()
     took = (now - max(call.dispatched_at, self.read_at)) / call.steps
     self.step_s, self.read_at = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took, now
     for slot, request in call.active.items():
       if self.active.get(slot) is request:  # not finished (by an earlier call's tokens) or cancelled since
-        self._take(slot, request, tokens_RK[slot].tolist())
+        self._take(slot, request, out["token"][slot].tolist(), logprobs_of(out, slot, request.logprobs))
 
   def _run(self, encoded: np.ndarray) -> bool:
     """Runs a plan (every process); process 0 takes the new tokens."""
@@ -578,60 +647,76 @@ class Engine:
     for slot, prompt in plan.prompts:
       buckets[bucket(len(prompt[0]))].append((slot, prompt))
     for P, prompts in buckets.items():
-      tokens_R = self._prefill_rows(P, prompts)
+      out = self._prefill_rows(P, prompts)
       if self.leader:
-        for (slot, _), token in zip(prompts, tokens_R):
+        for r, (slot, (ids, *_)) in enumerate(prompts):
           request = self.active[slot]
           request.step = self.step_served
-          self._take(slot, request, [int(token)])
+          if request.echo:  # the prompt's token j + 1 is scored by column P - n + j
+            cols = slice(P - len(ids), P - 1)
+            request.prompt_logprobs = [None, *out["prompt_logprob"][r, cols].tolist()]
+            request.prompt_top_logprobs = [None, *tops(out["prompt_top_id"][r, cols],
+                                                       out["prompt_top_logprob"][r, cols], request.logprobs or 0)]
+          if request.limit == 0:  # the prompt's logprobs alone (echo with max_tokens 0)
+            self._finish(slot, "length")
+            continue
+          self._take(slot, request, [int(out["token"][r])], logprobs_of(out, r, request.logprobs))
     if plan.decode:
       decode = self._decode(plan.decode, plan.attend, plan.rows)
-      self.state, tokens_KR = decode(self.params, self.state)  # not waited for
+      self.state, out_KR = decode(self.params, self.state)  # not waited for
       self.steps += plan.decode
       if self.leader:
-        earlier, self.pending = self.pending, DecodeCall(tokens_KR, dict(self.active), plan.decode,
+        earlier, self.pending = self.pending, DecodeCall(out_KR, dict(self.active), plan.decode,
                                                          time.perf_counter())
         if earlier is not None:  # this call was dispatched ahead of reading the last one (`_ahead`): read it now
           self._read(earlier)
     return bool(plan.swap is not None or plan.prompts or plan.decode)
 
-  def _prefill_rows(self, P: int, prompts: list, R: int | None = None) -> np.ndarray:
+  def _prefill_rows(self, P: int, prompts: list, R: int | None = None) -> dict:
     """Prefills the prompts of bucket P into their slots in one call of R rows (default: the fewest for them; every
-    process); their first tokens."""
+    process); their first tokens and, for rows that asked, logprobs (`prefill`'s out, as numpy, process 0 only;
+    the logprobs read only when some row asked for them)."""
     R = R or self._rows(len(prompts))
     tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
     # Rows past the prompts: one padding token each (never written), the slot past the last (dropped), greedy.
-    rows_R6 = np.tile(np.array([P - 1, self.slots, 0, 0, np.float32(1).view(np.int32), 0], np.int32), (R, 1))
-    for r, (slot, (ids, seed, temp, top_p, top_k)) in enumerate(prompts):
+    rows_R8 = np.tile(np.array([P - 1, self.slots, 0, 0, np.float32(1).view(np.int32), 0, -1, 0], np.int32), (R, 1))
+    for r, (slot, (ids, seed, temp, top_p, top_k, logprobs, echo)) in enumerate(prompts):
       tokens_RP[r, P - len(ids):] = ids
-      rows_R6[r] = (P - len(ids), slot, np.uint32(seed & 0xFFFFFFFF).view(np.int32),
-                    np.float32(temp).view(np.int32), np.float32(top_p).view(np.int32), top_k)
-    self.state, token_R = self._prefill(P, R)(self.params, self.state, place(tokens_RP, self.batch_sharding),
-                                              place(rows_R6, self.replicated))
-    return np.asarray(token_R)[:len(prompts)]
+      rows_R8[r] = (P - len(ids), slot, np.uint32(seed & 0xFFFFFFFF).view(np.int32),
+                    np.float32(temp).view(np.int32), np.float32(top_p).view(np.int32), top_k, logprobs, echo)
+    echo = bool(rows_R8[:, 7].any())
+    self.state, out = self._prefill(P, R, echo)(self.params, self.state, place(tokens_RP, self.batch_sharding),
+                                                place(rows_R8, self.replicated))
+    if not self.leader:
+      return {}
+    wanted = ("token", "logprob", "top_id", "top_logprob") if (rows_R8[:, 6] >= 0).any() else ("token",)
+    return {k: np.asarray(v) for k, v in out.items() if k in wanted or k.startswith("prompt_")}
 
-  def _take(self, slot: int, request: Request, tokens: list[int]) -> None:
-    """New tokens of the request in `slot` (one decode call's): those up to its end, then its text, shown once."""
+  def _take(self, slot: int, request: Request, tokens: list[int], logprobs: list | None = None) -> None:
+    """New tokens of the request in `slot` (one decode call's, and their logprobs where it asked): those up to its
+    end, then its text, shown once."""
     if request.first_token_at is None:
       request.first_token_at = time.perf_counter()
-    eos, reason = self.gen.eos_id, None
-    decode = lambda ids: self.gen.tokenizer.decode(np.asarray(ids, np.int32))
-    for token in tokens:
+    ends = set(request.stop_token_ids) | ({self.gen.eos_id} if not request.ignore_eos else set())
+    reason = None
+    for i, token in enumerate(tokens):
       request.token_ids.append(token)
+      if logprobs is not None:
+        request.token_logprobs.append(logprobs[i][0])
+        request.top_logprobs.append(logprobs[i][1])
       if request.stop:  # the text after each token: the request ends on the token that completes a stop string
-        request.text = decode(request.token_ids[:-1] if token == eos else request.token_ids)
+        request.text = self.text_of(request.token_ids, ends)
         for stop in request.stop:
           if stop and (at := request.text.find(stop)) >= 0:
             request.text, reason = request.text[:at], "stop"
-      if reason is None and token == eos:
+      if reason is None and token in ends:
         reason = "stop"
       elif reason is None and len(request.token_ids) >= request.limit:
         reason = "length"
       if reason is not None:
         break
     if not request.stop:
-      ids = request.token_ids
-      request.text = decode(ids[:-1] if ids[-1] == eos else ids)
+      request.text = self.text_of(request.token_ids, ends)
     if request.cancelled:
       reason = "cancelled"
     if reason is not None:
@@ -644,6 +729,12 @@ class Engine:
       show -= 1
     if show > request.sent:
       self._update(request, request.text[request.sent:show])
+
+  def text_of(self, ids: list[int], ends: set) -> str:
+    """The text of a request's new tokens: without a last token that ended it (its end-of-sequence or stop token)
+    and without end-of-sequence tokens it went past (ignore_eos), which have no text."""
+    ids = ids[:-1] if ids and ids[-1] in ends else ids
+    return self.gen.tokenizer.decode(np.asarray([t for t in ids if t != self.gen.eos_id], np.int32))
 
   def _finish(self, slot: int, reason: str) -> None:
     self._done(self.active.pop(slot), reason)

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import prometheus_client as prom
 import uvicorn
 from starlette.applications import Starlette
@@ -66,6 +67,19 @@ class Asked:
   n: int
   stream: bool
   include_usage: bool
+  logprobs: int | None    # the most likely alternatives each token's logprobs list (None: no logprobs)
+  echo: bool              # completions: the prompt's text and logprobs first
+  ignore_eos: bool
+  stop_token_ids: tuple[int, ...]
+
+
+# Fields that would change the result and that the engine does not apply: refused (400 naming the field) unless
+# they hold their neutral value, never ignored. Those that cannot change the tokens (`user`, `stream_options`
+# extras, `metadata`, ...) are ignored as OpenAI's own server ignores what it does not use.
+UNSUPPORTED = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+               "min_tokens": 0, "suffix": "", "prompt_logprobs": None, "response_format": None,
+               "guided_json": None, "guided_regex": None, "guided_choice": None, "min_p": 0,
+               "length_penalty": 1, "use_beam_search": False, "logits_processors": None}
 
 
 class Metrics:
@@ -148,10 +162,14 @@ class Server:
     self.chat = None
     self.app = Starlette(routes=[
         Route("/v1/models", self.models, methods=["GET"]), Route("/health", self.health, methods=["GET"]),
+        Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+        Route("/tokenize", self.tokenize, methods=["POST"]), Route("/detokenize", self.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
         Route("/metrics", self.prometheus, methods=["GET"]),
         Route("/v1/completions", self.completions, methods=["POST"]),
         Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        Route("/v1/images/generations", self.images, methods=["POST"])])
+        Route("/v1/images/generations", self.images, methods=["POST"])],
+        exception_handlers={404: self.no_route, 405: self.no_route})
     self.makes_images = isinstance(engine, image_engine.ImageEngine)
 
   @property
@@ -191,6 +209,28 @@ class Server:
 
   async def models(self, http: HttpRequest) -> Response:
     return await self.guarded(http, self.list_models, counts=False)
+
+  async def model(self, http: HttpRequest) -> Response:
+    def one(_):
+      self.check_model({"model": http.path_params["model"]})
+      return JSONResponse(self.model_card())
+    return await self.guarded(http, one, counts=False)
+
+  async def tokenize(self, http: HttpRequest) -> Response:
+    return await self.guarded(http, self.tokens_of, counts=False)
+
+  async def detokenize(self, http: HttpRequest) -> Response:
+    return await self.guarded(http, self.text_of, counts=False)
+
+  async def tokenizer_info(self, http: HttpRequest) -> Response:
+    return await self.guarded(http, self.describe_tokenizer, counts=False)
+
+  async def no_route(self, http: HttpRequest, exc) -> Response:
+    """Unknown routes and methods: OpenAI's JSON error, not Starlette's plain text."""
+    what = "route" if exc.status_code == 404 else f"method {http.method} for"
+    self.metrics.rejected.labels(str(exc.status_code)).inc()
+    return ApiError(exc.status_code, f"no {what} {http.url.path} on this server (see docs/serving.md)",
+                    "not_found_error" if exc.status_code == 404 else "invalid_request_error").response()
 
   async def health(self, http: HttpRequest) -> Response:
     status = 503 if self.draining else 200
@@ -246,11 +286,60 @@ class Server:
       raise ApiError(400, "the request body must be a JSON object")
     return body
 
-  def list_models(self, body) -> Response:
+  def model_card(self) -> dict:
     model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshtrain"}
     if not self.makes_images:
       model["max_model_len"] = self.engine.max_len
-    return JSONResponse({"object": "list", "data": [model]})
+    return model
+
+  def list_models(self, body) -> Response:
+    return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+  def tokens_of(self, body: dict) -> Response:
+    """vLLM's POST /tokenize: {"prompt": TEXT, "add_special_tokens": true} or {"messages": [...]} (rendered by the
+    chat template) -> the ids. As vLLM's (and transformers'), a special token's text in the prompt is that token
+    (clients look the end-of-sequence id up this way); add_special_tokens adds the beginning-of-sequence token where
+    the run's completions add one."""
+    if self.makes_images:
+      raise ApiError(400, "this server serves an image run: it has no tokenizer")
+    self.check_model(body)
+    if "messages" in body:
+      [ids] = self.prompts_of(body, chat=True)
+    else:
+      if not isinstance(body.get("prompt"), str):
+        raise ApiError(400, "prompt must be a string (or send messages)", param="prompt")
+      gen = self.engine.gen
+      ids = gen.tokenizer.encode_with_specials(body["prompt"]).tolist()
+      if gen.add_bos and body.get("add_special_tokens", True) is not False:
+        ids = [gen.tokenizer.bos_id, *ids]
+    return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids})
+
+  def describe_tokenizer(self, body: dict) -> Response:
+    """vLLM's GET /tokenizer_info: the special tokens (transformers' names), the context and the chat template,
+    what lm-evaluation-harness's remote tokenizer reads."""
+    if self.makes_images:
+      raise ApiError(400, "this server serves an image run: it has no tokenizer")
+    tokenizer = self.engine.gen.tokenizer
+    info = {**tokenizer.special_tokens(), "model_max_length": self.engine.max_len, "vocab_size": tokenizer.vocab_size}
+    try:
+      if self.chat is None and self.workdir is not None:
+        self.chat = ChatTemplate.for_workdir(self.workdir)
+      if self.chat is not None:
+        info["chat_template"] = self.chat.template()
+    except UserError:
+      pass  # no template: chat clients get a clear 400 from /v1/chat/completions
+    return JSONResponse(info)
+
+  def text_of(self, body: dict) -> Response:
+    """vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": TEXT}."""
+    if self.makes_images:
+      raise ApiError(400, "this server serves an image run: it has no tokenizer")
+    self.check_model(body)
+    tokens, vocab = body.get("tokens"), self.engine.gen.model_cfg.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                               for t in tokens):
+      raise ApiError(400, f"tokens must be a list of token ids 0..{vocab - 1}", param="tokens")
+    return JSONResponse({"prompt": self.engine.gen.tokenizer.decode(np.asarray(tokens, np.int32))})
 
   def check_model(self, body: dict) -> None:
     model = body.get("model")
@@ -350,6 +439,41 @@ class Server:
     if self.makes_images:
       raise ApiError(400, "this server serves a DiT run: use /v1/images/generations")
     self.check_model(body)
+    for name, neutral in UNSUPPORTED.items():
+      if name == "tools" and chat:
+        continue  # rendered by the chat template
+      value = body.get(name)
+      if value is not None and value != neutral and not (name == "response_format" and value == {"type": "text"}):
+        raise ApiError(400, f"{name} is not supported by this server, and ignoring it would change the result; "
+                            "leave it out", param=name)
+    n = number(body, "n", int, 1, 1, MAX_N)
+    best_of = number(body, "best_of", int, None, 1)
+    if best_of is not None and best_of != n:
+      raise ApiError(400, f"best_of {best_of} is not supported (only best_of = n, {n}): this server returns every "
+                          "choice it samples", param="best_of")
+    if chat:
+      top = number(body, "top_logprobs", int, None, 0, engine_lib.TOP_LOGPROBS)
+      if top is not None and body.get("logprobs") is not True:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+      if not isinstance(body.get("logprobs", False), bool) and body.get("logprobs") is not None:
+        raise ApiError(400, f"logprobs must be true or false, not {body['logprobs']!r}", param="logprobs")
+      logprobs = (top or 0) if body.get("logprobs") else None
+    else:
+      logprobs = number(body, "logprobs", int, None, 0, engine_lib.TOP_LOGPROBS)
+    echo = body.get("echo", False)
+    if chat and "echo" in body and echo not in (False, None):
+      raise ApiError(400, "echo is for /v1/completions; chat completions do not echo the conversation", param="echo")
+    for name in ("echo", "ignore_eos", "stream"):
+      if body.get(name) is not None and not isinstance(body[name], bool):
+        raise ApiError(400, f"{name} must be true or false, not {body[name]!r}", param=name)
+    if echo and body.get("stream"):
+      raise ApiError(400, "echo with stream is not supported: ask without stream for the prompt's logprobs",
+                      param="echo")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and
+                                                 0 <= i < self.engine.gen.model_cfg.vocab_size for i in stop_ids):
+      raise ApiError(400, "stop_token_ids must be a list of token ids of the model's vocabulary",
+                     param="stop_token_ids")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
@@ -358,11 +482,11 @@ class Server:
     length_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     options = body.get("stream_options") or {}
     return Asked(self.prompts_of(body, chat), number(body, length_key, int, 16 if not chat else
-                                                     self.engine.max_len, 1),
+                                                     self.engine.max_len, 0 if echo else 1),
                  number(body, "temperature", float, 1.0, 0.0), number(body, "top_p", float, 1.0, 0.0, 1.0),
                  max(top_k, 0), number(body, "seed", int, None, -2**63, 2**63 - 1 - MAX_N), tuple(s for s in stop if s),
-                 number(body, "n", int, 1, 1, MAX_N), bool(body.get("stream")),
-                 isinstance(options, dict) and bool(options.get("include_usage")))
+                 n, bool(body.get("stream")), isinstance(options, dict) and bool(options.get("include_usage")),
+                 logprobs, bool(echo), bool(body.get("ignore_eos")), tuple(stop_ids))
 
   async def complete(self, http: HttpRequest, body: dict, chat: bool) -> Response:
     asked = self.asked(body, chat)
@@ -370,17 +494,19 @@ class Server:
     updates: asyncio.Queue = asyncio.Queue()
 
     def on_update(request, delta):  # the engine thread
-      # Whether this update is the request's last, taken here: by the time the stream reads the update the engine
-      # may have finished the request, and an earlier update read as the last would drop the text after it.
+      # Whether this update is the request's last, and how many tokens it has, taken here: by the time the stream
+      # reads the update the engine may have gone on, and an earlier update read as the last would drop the text
+      # after it.
       last = request.done
       if last:
         self.metrics.finished(request)
-      self.hand_over(loop, updates, (request, delta, last))
+      self.hand_over(loop, updates, (request, delta, last, len(request.token_logprobs)))
 
     requests = [engine_lib.Request(prompt_ids=ids, max_tokens=asked.max_tokens, temperature=asked.temperature,
                                    top_p=asked.top_p, top_k=asked.top_k,
                                    seed=None if asked.seed is None else asked.seed + j, stop=asked.stop,
-                                   on_update=on_update)
+                                   logprobs=asked.logprobs, echo=asked.echo, ignore_eos=asked.ignore_eos,
+                                   stop_token_ids=asked.stop_token_ids, on_update=on_update)
                 for ids in asked.prompts for j in range(asked.n)]
     try:
       self.engine.submit(*requests)  # together: one checkpoint answers all the choices
@@ -389,7 +515,7 @@ class Server:
         raise busy(e) from None
       raise ApiError(400, str(e).replace("shorten the prompt", "shorten the prompt or lower max_tokens"),
                      param="prompt" if "prompt" in str(e) else None) from None
-    reply = Reply(self, chat, requests)
+    reply = Reply(self, chat, requests, asked.logprobs is not None)
     if asked.stream:
       return StreamingResponse(self.stream(reply, updates, asked.include_usage), media_type="text/event-stream")
     return await self.whole(http, reply, updates)
@@ -418,13 +544,16 @@ class Server:
         events.append(reply.sse([reply.chunk(i, {"role": "assistant", "content": ""}, None)
                                  for i in range(len(reply.requests))]))
       unfinished = len(reply.requests)
+      told = [0] * len(reply.requests)  # tokens whose logprobs each choice's chunks have carried
       while True:  # until every choice's last update, each read in the order the engine sent them
-        request, delta, last = update
+        request, delta, last, tokens = update
         i = reply.requests.index(request)
         reason = reply.reason(request) if last else None
         unfinished -= last
         if delta or reason:
-          events.append(reply.sse([reply.chunk(i, {"content": delta} if reply.chat else delta, reason)]))
+          logprobs = reply.logprobs(request, told[i], tokens) if reply.wants_logprobs else None
+          told[i] = tokens
+          events.append(reply.sse([reply.chunk(i, {"content": delta} if reply.chat else delta, reason, logprobs)]))
         if not unfinished:
           break
         if updates.empty():
@@ -469,8 +598,8 @@ class Server:
 class Reply:
   """The OpenAI response objects for a request's choices."""
 
-  def __init__(self, server: Server, chat: bool, requests: list):
-    self.server, self.chat, self.requests = server, chat, requests
+  def __init__(self, server: Server, chat: bool, requests: list, wants_logprobs: bool = False):
+    self.server, self.chat, self.requests, self.wants_logprobs = server, chat, requests, wants_logprobs
     self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
 
@@ -489,20 +618,47 @@ class Reply:
     completion = sum(len(r.token_ids) for r in self.requests)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+  def token_text(self, token: int) -> str:
+    return self.server.engine.gen.tokenizer.decode(np.asarray([token], np.int32))
+
+  def logprobs(self, request, start: int = 0, end: int | None = None, echo: bool = False) -> dict | None:
+    """The logprobs object of the request's new tokens [start, end) (every one it drew: the end-of-sequence or stop
+    token that ended it too, as vLLM lists it, so that `echo` with max_tokens 1 lists exactly one), with the prompt's
+    first when `echo`: OpenAI's completions form (tokens, token_logprobs, top_logprobs as {token: logprob},
+    text_offset from `offset`) or chat's (content: [{token, logprob, bytes, top_logprobs}])."""
+    if not self.wants_logprobs:
+      return None
+    end = len(request.token_logprobs) if end is None else end
+    ids, chosen, tops = request.token_ids[start:end], request.token_logprobs[start:end], request.top_logprobs[start:end]
+    if self.chat:
+      entry = lambda t, lp: {"token": (s := self.token_text(t)), "logprob": lp, "bytes": list(s.encode())}
+      return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                          for t, lp, top in zip(ids, chosen, tops)]}
+    if echo:
+      ids = request.prompt_ids + ids
+      chosen = request.prompt_logprobs + chosen
+      tops = request.prompt_top_logprobs + tops
+    texts = [self.token_text(t) for t in ids]
+    offsets = np.cumsum([0] + [len(t) for t in texts[:-1]]).tolist() if texts else []
+    return {"tokens": texts, "token_logprobs": chosen, "text_offset": offsets,
+            "top_logprobs": [None if top is None else {self.token_text(a): v for a, v in top} for top in tops]}
+
   def whole(self) -> dict:
     if self.chat:
-      choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+      choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": self.logprobs(r),
                   "finish_reason": self.reason(r)} for i, r in enumerate(self.requests)]
     else:
-      choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": self.reason(r)}
+      decode = self.server.engine.gen.tokenizer.decode
+      choices = [{"index": i, "text": (decode(np.asarray(r.prompt_ids, np.int32)) if r.echo else "") + r.text,
+                  "logprobs": self.logprobs(r, echo=r.echo), "finish_reason": self.reason(r)}
                  for i, r in enumerate(self.requests)]
     return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
             "model": self.model, "choices": choices, "usage": self.usage()}
 
-  def chunk(self, i: int, delta, reason) -> dict:
+  def chunk(self, i: int, delta, reason, logprobs=None) -> dict:
     if self.chat:
-      return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-    return {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
+      return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": reason}
 
   def sse(self, choices: list, usage: bool = False) -> str:
     event = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

@@ -374,12 +374,13 @@ class Transformer(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BL, pos_L=None, cache: KVCache | None = None):
+  def __call__(self, tokens_BL, pos_L=None, cache: KVCache | None = None, every_column: bool = False):
     """Training and evaluation: logits [B, L, V]. Generation passes a KVCache: tokens_BL then go into slots
-    end..end+L-1 and the result is (logits of the last column [B, 1, V], the updated cache)."""
+    end..end+L-1 and the result is (logits of the last column [B, 1, V], or of every column [B, L, V] with
+    `every_column`, the updated cache)."""
     c = self.cfg
     if cache is not None:
-      return self._generate(tokens_BL, cache)
+      return self._generate(tokens_BL, cache, every_column)
     pos_L = jnp.arange(tokens_BL.shape[1]) if pos_L is None else pos_L
     # fan_in: MaxText's token embedding is normal(1.0) (fan-in 1); the first RMSNorm makes its scale harmless.
     embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype,
@@ -414,13 +415,13 @@ class Transformer(nn.Module):
       logits_BLV = c.products(x_BLD, head_DV.astype(c.dtype), "D,DV->V")
     return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
 
-  def _generate(self, tokens_BL, cache: KVCache):
+  def _generate(self, tokens_BL, cache: KVCache, every_column: bool = False):
     """Prefill (L prompt columns) or decode (L = 1) against the cache; same parameters, same names as __call__.
 
     No remat, pipeline or sequence split here: nothing is differentiated, and meshtrain/inference/generator.py runs
-    the model unpipelined on a mesh without a sequence axis. Only the last column's logits are computed: with left
-    padding it is every row's last token, the one whose next token is wanted, and a prefill's [B, L, V] logits would
-    cost L times more.
+    the model unpipelined on a mesh without a sequence axis. Only the last column's logits are computed unless
+    `every_column` (a server's prompt logprobs): with left padding it is every row's last token, the one whose next
+    token is wanted, and a prefill's [B, L, V] logits would cost L times more.
     """
     c = self.cfg
     embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype,
@@ -443,14 +444,14 @@ class Transformer(nn.Module):
         ks.append(k_BKSE)
         vs.append(v_BKSE)
       k_NBKSE, v_NBKSE = tuple(ks), tuple(vs)
-    x_B1D = RMSNorm(c, name="final_norm")(x_BLD[:, -1:])
+    x_BLD = RMSNorm(c, name="final_norm")(x_BLD if every_column else x_BLD[:, -1:])
     if c.tie_embeddings:
-      logits_B1V = c.products(x_B1D, embed_VD.astype(c.dtype), "D,VD->V")
+      logits_BLV = c.products(x_BLD, embed_VD.astype(c.dtype), "D,VD->V")
       if c.init == "fan_in":
-        logits_B1V = logits_B1V / jnp.asarray(math.sqrt(c.d_model), logits_B1V.dtype)
+        logits_BLV = logits_BLV / jnp.asarray(math.sqrt(c.d_model), logits_BLV.dtype)
     else:
       head_DV = kernel(self, c, "head", (c.d_model, c.vocab_size), ("embed", "vocab"), 1, c.init_std, FanIn())
-      logits_B1V = c.products(x_B1D, head_DV.astype(c.dtype), "D,DV->V")
-    logits_B1V = nn.with_logical_constraint(logits_B1V.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
+      logits_BLV = c.products(x_BLD, head_DV.astype(c.dtype), "D,DV->V")
+    logits_BLV = nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
     new_cache = cache.replace(k_NBKSE=k_NBKSE, v_NBKSE=v_NBKSE, end=cache.end + tokens_BL.shape[1])
-    return logits_B1V, new_cache
+    return logits_BLV, new_cache

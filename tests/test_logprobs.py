@@ -1,0 +1,313 @@
+"""Logprobs from the serving engine: each new token's and the prompt's (echo), against a float32 reference (the
+training forward pass of the whole sequence, no cache), alone and under continuous batching; echo with max_tokens
+0; ignore_eos and stop_token_ids."""
+import dataclasses
+import json
+import urllib.error
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import optax
+import pytest
+from test_generate import train_tiny
+from test_serve import (MAX_TOKENS, MODEL, PROMPTS, greedy, make_generator, params, run_staggered,  # noqa: F401
+                        start_server)
+
+from meshtrain.data import tokenization
+from meshtrain.errors import UserError
+from meshtrain.inference import engine as engine_lib, generator
+from meshtrain.models.llama import Transformer
+
+# The engine's prefill and cached decode against one forward pass of the whole sequence: the same math in another
+# order (attention over a cache of other length, other fusions), float32.
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def gen(params):  # noqa: F811
+  return make_generator(params)
+
+
+def reference(params, ids):  # noqa: F811
+  """log p(ids[j + 1] | ids[:j + 1]) for each j, and the log-softmax rows [len(ids) - 1, V], by the training
+  forward pass of the whole sequence in float32 (what the loss reads: its cross-entropy is minus their sum)."""
+  logits_LV = np.asarray(jax.jit(lambda p, t: Transformer(MODEL).apply({"params": p}, t))(
+      params, np.asarray([ids], np.int32))[0], np.float64)[:-1]
+  lp_LV = logits_LV - np.log(np.exp(logits_LV - logits_LV.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits_LV.max(-1, keepdims=True)
+  chosen = lp_LV[np.arange(len(ids) - 1), ids[1:]]
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits_LV, np.asarray(ids[1:])).sum()
+  np.testing.assert_allclose(-chosen.sum(), loss, rtol=1e-6)  # optax in float32
+  return chosen, lp_LV
+
+
+def finish(engine, *requests):
+  engine.submit(*requests)
+  while not all(r.done for r in requests):
+    engine.step()
+  return requests
+
+
+def test_new_tokens_logprobs_are_the_models_and_the_greedy_one_is_the_top(params, gen):  # noqa: F811
+  engine = engine_lib.Engine(gen, slots=2)
+  [r] = finish(engine, dataclasses.replace(greedy(0), logprobs=5))
+  assert len(r.token_logprobs) == len(r.top_logprobs) == len(r.token_ids) == MAX_TOKENS[0]
+  chosen, lp_LV = reference(params, PROMPTS[0] + r.token_ids)
+  n = len(PROMPTS[0])
+  np.testing.assert_allclose(r.token_logprobs, chosen[n - 1:], atol=ATOL)
+  for lp, top, row in zip(r.token_logprobs, r.top_logprobs, lp_LV[n - 1:]):
+    assert len(top) == 5 and top[0][1] == lp  # greedy: the token is the most likely one, bit for bit
+    np.testing.assert_allclose([v for _, v in top], np.sort(row)[::-1][:5], atol=ATOL)
+    assert [i for i, _ in top] == list(np.argsort(-row, kind="stable")[:5]) or np.ptp([v for _, v in top]) < 1e-3
+  sampled = finish(engine, engine_lib.Request(prompt_ids=PROMPTS[1], max_tokens=12, temperature=1.0, seed=3,
+                                              logprobs=0))[0]
+  assert all(top == [] for top in sampled.top_logprobs)
+  np.testing.assert_allclose(sampled.token_logprobs,
+                             reference(params, PROMPTS[1] + sampled.token_ids)[0][len(PROMPTS[1]) - 1:], atol=ATOL)
+
+
+def test_echo_scores_the_prompt_and_max_tokens_0_scores_it_alone(params, gen):  # noqa: F811
+  engine = engine_lib.Engine(gen, slots=2)
+  chosen, lp_LV = reference(params, PROMPTS[3])
+  alone, first = finish(engine, engine_lib.Request(prompt_ids=PROMPTS[3], max_tokens=0, echo=True, logprobs=2),
+                        engine_lib.Request(prompt_ids=PROMPTS[3], max_tokens=1, echo=True, logprobs=1))
+  for r in (alone, first):
+    assert r.prompt_logprobs[0] is None and r.prompt_top_logprobs[0] is None
+    np.testing.assert_allclose(r.prompt_logprobs[1:], chosen, atol=ATOL)
+  # The sum is minus the loss on the text (its cross-entropy, as training computes it), within float32 rounding.
+  assert abs(sum(alone.prompt_logprobs[1:]) - chosen.sum()) < 1e-3
+  assert alone.token_ids == [] and alone.finish_reason == "length" and alone.text == ""
+  assert [len(t) for t in alone.prompt_top_logprobs[1:]] == [2] * (len(PROMPTS[3]) - 1)
+  np.testing.assert_allclose([t[0][1] for t in alone.prompt_top_logprobs[1:]], lp_LV.max(-1), atol=ATOL)
+  assert len(first.token_ids) == 1 and first.token_logprobs[0] == first.top_logprobs[0][0][1]
+  with pytest.raises(UserError, match="at least 1"):
+    engine.submit(engine_lib.Request(prompt_ids=[1], max_tokens=0))
+  with pytest.raises(UserError, match="logprobs 21 must be between 0 and 20"):
+    engine.submit(engine_lib.Request(prompt_ids=[1], logprobs=21))
+
+
+def test_logprobs_under_continuous_batching_equal_a_solo_run(gen):
+  """Requests with and without logprobs, echo and sampling, arriving while others decode: each gets the tokens and
+  logprobs it gets alone (the logprobs are computed for every row of a step once any row asks; the others'
+  tokens do not change)."""
+  asks = [dict(logprobs=3), dict(), dict(logprobs=0, echo=True, temperature=1.0, seed=5), dict(logprobs=20),
+          dict(echo=True, logprobs=1, max_tokens=0)]
+  make = lambda i: engine_lib.Request(prompt_ids=PROMPTS[i], **{"max_tokens": MAX_TOKENS[i], **asks[i]})
+  alone = [finish(engine_lib.Engine(gen, slots=4), make(i))[0] for i in range(len(PROMPTS))]
+  together = [make(i) for i in range(len(PROMPTS))]
+  run_staggered(engine_lib.Engine(gen, slots=4), together, every=1)
+  fields = ("token_ids", "token_logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
+  for a, b in zip(alone, together):
+    assert a.token_ids == b.token_ids
+    for f in fields[1:]:  # other row counts and spans of the same math: equal to float32 rounding
+      x, y = getattr(a, f), getattr(b, f)
+      assert len(x) == len(y), f
+      flat = lambda v: [p for item in v if item is not None for p in (item if isinstance(item, list) else [item])]
+      np.testing.assert_allclose(np.asarray(flat(x), np.float64).ravel(), np.asarray(flat(y), np.float64).ravel(),
+                                 atol=ATOL, err_msg=f)
+  assert together[1].token_logprobs == [] and together[4].token_ids == []
+
+
+def test_ignore_eos_and_stop_token_ids(params, gen):  # noqa: F811
+  engine = engine_lib.Engine(gen, slots=2)
+  free = finish(engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20))[0]
+  stop_at = free.token_ids[5]
+  first = free.token_ids.index(stop_at)
+  stopped = finish(engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20, stop_token_ids=(stop_at,)))[0]
+  assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"
+  assert stopped.text == gen.tokenizer.decode(np.asarray(free.token_ids[:first], np.int32))
+  # ignore_eos: a model whose eos is its most likely first token still runs to max_tokens.
+  eos_gen = make_generator(params)
+  eos_gen.eos_id = free.token_ids[0]
+  eos_engine = engine_lib.Engine(eos_gen, slots=2)
+  ended = finish(eos_engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20))[0]
+  assert ended.token_ids == free.token_ids[:1] and ended.finish_reason == "stop" and ended.text == ""
+  kept = finish(eos_engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20, ignore_eos=True))[0]
+  assert kept.token_ids == free.token_ids and kept.finish_reason == "length"
+  assert kept.text == eos_gen.tokenizer.decode(np.asarray([t for t in free.token_ids if t != free.token_ids[0]],
+                                                          np.int32))
+
+
+
+# --- through the HTTP server, with the openai client and lm-evaluation-harness ---
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  return train_tiny(tmp_path_factory.mktemp("scored"))
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+  proc, url = start_server(workdir, "--slots", "4")
+  yield proc, url
+  proc.kill()
+  proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server[1], api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def scored(workdir):
+  """log p of every token of a token sequence after the first, by the run's model in this process (the training
+  forward pass in float32)."""
+  g = generator.Generator.from_workdir(workdir)
+  forward = jax.jit(lambda p, t: jax.nn.log_softmax(g.model.apply({"params": p}, t)[0, :-1].astype(jnp.float32)))
+
+  def score(ids, rows=False):
+    """The logprobs, and with `rows` whether each token is the most likely id the server could draw."""
+    lp_LV = np.asarray(forward(g.params, np.asarray([ids], np.int32)))
+    chosen = lp_LV[np.arange(len(ids) - 1), ids[1:]]
+    return (chosen, chosen == lp_LV[:, :g.num_ids].max(-1)) if rows else chosen
+  return score
+
+
+def post(server, path, body):
+  request = urllib.request.Request(server[1].removesuffix("/v1") + path, data=json.dumps(body).encode(),
+                                   headers={"Content-Type": "application/json"})
+  with urllib.request.urlopen(request, timeout=60) as response:
+    return json.loads(response.read())
+
+
+def test_completions_logprobs_echo_and_streams(client, scored):
+  out = client.completions.create(model=None, prompt="def main(", max_tokens=8, temperature=0, logprobs=3)
+  lp = out.choices[0].logprobs
+  assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+  assert all(v == max(top.values()) and len(top) <= 3 for v, top in zip(lp.token_logprobs, lp.top_logprobs))
+  assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+  prompt = list(b"def main(")
+  # echo: the prompt's text and tokens first, its first token without a logprob; max_tokens 0 scores it alone.
+  for max_tokens in (0, 1):
+    echoed = client.completions.create(model=None, prompt="def main(", max_tokens=max_tokens, temperature=0,
+                                       logprobs=1, echo=True).choices[0]
+    assert echoed.text.startswith("def main(") and len(echoed.logprobs.tokens) == len(prompt) + max_tokens
+    assert echoed.logprobs.token_logprobs[0] is None and echoed.logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(echoed.logprobs.token_logprobs[1:len(prompt)], scored(prompt), atol=ATOL)
+  # The sum is minus the model's loss on the text.
+  assert abs(sum(echoed.logprobs.token_logprobs[1:len(prompt)]) - scored(prompt).sum()) < 1e-3
+  chunks = list(client.completions.create(model=None, prompt="def main(", max_tokens=8, temperature=0, logprobs=3,
+                                          stream=True))
+  streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+  assert streamed == lp.tokens
+  assert [v for c in chunks if c.choices and c.choices[0].logprobs
+          for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+
+
+def test_chat_logprobs(client, workdir):
+  (workdir / "tokenizer").mkdir(exist_ok=True)
+  (workdir / "tokenizer" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+  out = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "x = "}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+  content = out.choices[0].logprobs.content
+  assert len(content) == out.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+  assert all(c.logprob == c.top_logprobs[0].logprob and c.token == c.top_logprobs[0].token for c in content)
+  assert all(c.bytes == list(c.token.encode()) for c in content)
+  plain = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "x = "}], max_tokens=5,
+                                         temperature=0)
+  assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
+
+
+def test_fields_that_would_change_the_result_are_refused(client, server):
+  for extra, param in [({"logit_bias": {"41": -100}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                       ({"frequency_penalty": 1}, "frequency_penalty"), ({"suffix": "x"}, "suffix"),
+                       ({"best_of": 2}, "best_of"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+                       ({"min_tokens": 3}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
+                       ({"echo": True, "stream": True}, "echo"), ({"stop_token_ids": [10**6]}, "stop_token_ids")]:
+    with pytest.raises(openai.BadRequestError) as refused:
+      client.completions.create(model=None, prompt="a", max_tokens=2, extra_body=extra)
+    assert refused.value.body["param"] == param, extra
+  with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+    client.chat.completions.create(model=None, messages=[{"role": "user", "content": "a"}], top_logprobs=2)
+  # Neutral values and fields that cannot change the tokens pass.
+  client.completions.create(model=None, prompt="a", max_tokens=2, presence_penalty=0, logit_bias={}, user="me",
+                            best_of=1)
+  # ignore_eos runs to max_tokens; stop_token_ids end on their token (not shown in the text).
+  long = client.completions.create(model=None, prompt="a", max_tokens=12, temperature=0, logprobs=0,
+                                   extra_body={"ignore_eos": True})
+  assert long.usage.completion_tokens == 12 and long.choices[0].finish_reason == "length"
+  cut = client.completions.create(model=None, prompt="a", max_tokens=12, temperature=0,  # every id ends it
+                                  extra_body={"stop_token_ids": list(range(tokenization.VOCAB_SIZE))})
+  assert cut.usage.completion_tokens == 1 and cut.choices[0].text == "" and cut.choices[0].finish_reason == "stop"
+
+
+def test_probed_endpoints_and_json_errors(client, server, workdir):
+  base = server[1].removesuffix("/v1")
+  assert post(server, "/tokenize", {"prompt": "ab<eos>"})["tokens"] == [97, 98, tokenization.EOS_ID]
+  assert post(server, "/detokenize", {"tokens": [97, 98]}) == {"prompt": "ab"}
+  info = json.loads(urllib.request.urlopen(base + "/tokenizer_info", timeout=30).read())
+  assert info["eos_token"] == "<eos>" and info["model_max_length"] == 64
+  model = client.models.list().data[0].id
+  assert client.models.retrieve(model).id == model and client.models.retrieve(workdir.name).id == model
+  with pytest.raises(openai.NotFoundError):
+    client.models.retrieve("another")
+  for url, method in [(base + "/v1/nothing", "GET"), (base + "/v1/completions", "GET")]:
+    with pytest.raises(urllib.error.HTTPError) as e:
+      urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=30)
+    assert e.value.code in (404, 405) and json.loads(e.value.read())["error"]["code"] == e.value.code
+
+
+MC_DOCS = [{"question": "x = 1 +", "choices": [" 1", " foo", " ("], "answer": 0},
+           {"question": "def f(", "choices": ["x):", "]]]", " pass"], "answer": 0},
+           {"question": "import", "choices": [" os", "!!", " 7"], "answer": 0}]
+GEN_DOCS = [{"question": "print(", "answer": "x"}, {"question": "for i in", "answer": " range"}]
+TEXT_DOCS = [{"text": "def main():\n    return 0\n"}, {"text": "import os"}]
+
+
+def harness_tasks(tmp_path):
+  """Two lm-evaluation-harness tasks over local files (nothing downloaded): multiple choice and generate_until."""
+  for name, docs in (("mc", MC_DOCS), ("gen", GEN_DOCS), ("text", TEXT_DOCS)):
+    (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+  data = lambda name: f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / name}.jsonl\n" \
+                      "test_split: test\n"
+  (tmp_path / "mc.yaml").write_text(
+      "task: meshtrain_mc\n" + data("mc") + "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+      "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+  (tmp_path / "gen.yaml").write_text(
+      "task: meshtrain_gen\n" + data("gen") + "output_type: generate_until\ndoc_to_text: '{{question}}'\n"
+      "doc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n"
+      "metric_list:\n  - metric: exact_match\n")
+  (tmp_path / "text.yaml").write_text(
+      "task: meshtrain_text\n" + data("text") + "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+      "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n")
+  return tmp_path
+
+
+def test_lm_eval_harness_through_the_server(server, client, scored, tmp_path, monkeypatch):
+  """lm-evaluation-harness's local-completions against the server, its tokenizer the server's own (/tokenize):
+  every multiple-choice and perplexity loglikelihood equals the model's in this process, and generate_until gets
+  the server's greedy completions."""
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  lm_eval = pytest.importorskip("lm_eval")
+  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+  model = client.models.list().data[0].id
+  results = lm_eval.simple_evaluate(
+      model="local-completions", tasks=["meshtrain_mc", "meshtrain_gen", "meshtrain_text"], log_samples=True,
+      model_args=f"model={model},base_url={server[1]}/completions,tokenizer_backend=remote,num_concurrent=1,"
+                 "max_retries=1,tokenized_requests=True,max_length=64",
+      task_manager=TaskManager(include_path=str(harness_tasks(tmp_path))))
+  mc = results["samples"]["meshtrain_mc"]
+  assert len(mc) == len(MC_DOCS)
+  for sample in mc:
+    doc = sample["doc"]
+    for choice, ((loglikelihood, is_greedy),) in zip(doc["choices"], sample["resps"]):
+      # The harness puts its target_delimiter, a space, between the question and each choice.
+      context, whole = list(doc["question"].encode()), list((doc["question"] + " " + choice).encode())
+      expected, top = (x[len(context) - 1:] for x in scored(whole, rows=True))
+      assert abs(loglikelihood - expected.sum()) < 1e-3 and is_greedy == top.all(), (doc, choice)
+  assert 0 <= results["results"]["meshtrain_mc"]["acc,none"] <= 1
+  # Perplexity: each text's loglikelihood after the beginning-of-sequence token (the harness's prefix, its id
+  # looked up through /tokenizer_info and /tokenize).
+  for sample in results["samples"]["meshtrain_text"]:
+    ids = [tokenization.BOS_ID, *sample["doc"]["text"].encode()]
+    assert abs(sample["resps"][0][0] - scored(ids).sum()) < 1e-3, sample["doc"]
+  gen = results["samples"]["meshtrain_gen"]
+  for sample in gen:
+    served = client.completions.create(model=None, prompt=sample["doc"]["question"], max_tokens=6, temperature=0,
+                                       stop=["\n", "<eos>"]).choices[0].text
+    assert sample["resps"][0][0] == served
