@@ -33,4 +33,5 @@ LAYERS = (
 )
 # The documented commands: `python -m meshtrain.X` runs meshtrain/X.py, an alias of meshtrain/cli/X.py (and
 # `python -m meshtrain.data` meshtrain/data/__main__.py, of meshtrain/cli/data_stats.py).
-COMMANDS = ("train", "generate", "serve", "sample", "convert", "bench", "inspect", "plan", "launch", "tokenizer")
+COMMANDS = ("train", "generate", "serve", "eval", "sample", "convert", "bench", "inspect", "plan", "launch",
+            "tokenizer")

@@ -3,22 +3,27 @@ training forward pass of the whole sequence, no cache), alone and under continuo
 0; ignore_eos and stop_token_ids."""
 import dataclasses
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
 import jax
 import jax.numpy as jnp
+import lm_eval
 import numpy as np
 import openai
 import optax
 import pytest
+from lm_eval.tasks import TaskManager
 from test_generate import train_tiny
 from test_serve import (MAX_TOKENS, MODEL, PROMPTS, greedy, make_generator, params, run_staggered,  # noqa: F401
                         start_server)
 
+from meshtrain import mesh as mesh_lib, sharding
 from meshtrain.data import tokenization
 from meshtrain.errors import UserError
-from meshtrain.inference import engine as engine_lib, generator
+from meshtrain.inference import engine as engine_lib, generator, harness
 from meshtrain.models.llama import Transformer
 
 # The engine's prefill and cached decode against one forward pass of the whole sequence: the same math in another
@@ -278,19 +283,29 @@ def harness_tasks(tmp_path):
   return tmp_path
 
 
-def test_lm_eval_harness_through_the_server(server, client, scored, tmp_path, monkeypatch):
-  """lm-evaluation-harness's local-completions against the server, its tokenizer the server's own (/tokenize):
-  every multiple-choice and perplexity loglikelihood equals the model's in this process, and generate_until gets
-  the server's greedy completions."""
-  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-  lm_eval = pytest.importorskip("lm_eval")
-  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+TASKS = ["meshtrain_mc", "meshtrain_gen", "meshtrain_text"]
+
+
+@pytest.fixture(scope="module")
+def through_server(server, client, tmp_path_factory):
+  """lm-evaluation-harness's local-completions against the server, its tokenizer the server's own (/tokenize): the
+  results with every sample."""
   model = client.models.list().data[0].id
-  results = lm_eval.simple_evaluate(
-      model="local-completions", tasks=["meshtrain_mc", "meshtrain_gen", "meshtrain_text"], log_samples=True,
-      model_args=f"model={model},base_url={server[1]}/completions,tokenizer_backend=remote,num_concurrent=1,"
-                 "max_retries=1,tokenized_requests=True,max_length=64",
-      task_manager=TaskManager(include_path=str(harness_tasks(tmp_path))))
+  tasks = harness_tasks(tmp_path_factory.mktemp("tasks"))
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv("HF_DATASETS_OFFLINE", "1")
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=TASKS, log_samples=True,
+        model_args=f"model={model},base_url={server[1]}/completions,tokenizer_backend=remote,num_concurrent=1,"
+                   "max_retries=1,tokenized_requests=True,max_length=64",
+        task_manager=TaskManager(include_path=str(tasks)))
+  return results, tasks
+
+
+def test_lm_eval_harness_through_the_server(through_server, client, scored):
+  """Every multiple-choice and perplexity loglikelihood the harness got through the server equals the model's in
+  this process, and generate_until got the server's greedy completions."""
+  results, _ = through_server
   mc = results["samples"]["meshtrain_mc"]
   assert len(mc) == len(MC_DOCS)
   for sample in mc:
@@ -311,3 +326,46 @@ def test_lm_eval_harness_through_the_server(server, client, scored, tmp_path, mo
     served = client.completions.create(model=None, prompt=sample["doc"]["question"], max_tokens=6, temperature=0,
                                        stop=["\n", "<eos>"]).choices[0].text
     assert sample["resps"][0][0] == served
+
+
+def test_in_process_harness_equals_the_server(through_server, workdir):
+  """The same tasks on the mesh in this process (MeshLM, on data=2 x tensor=2 of 4 devices: the scoring batch split
+  over data, the heads over tensor): every sample's loglikelihood to float32 rounding, the same greedy flags and
+  generations, the same metrics; and `python -m meshtrain.eval` prints them."""
+  served, tasks = through_server
+  mesh = mesh_lib.make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+  gen = generator.Generator.from_workdir(workdir, mesh=mesh, rules=sharding.rules_for("fsdp_tp"))
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv("HF_DATASETS_OFFLINE", "1")
+    local = lm_eval.simple_evaluate(model=harness.MeshLM(gen, batch_size=4), tasks=TASKS, log_samples=True,
+                                    task_manager=TaskManager(include_path=str(tasks)))
+  for task in TASKS:
+    pairs = list(zip(served["samples"][task], local["samples"][task], strict=True))
+    for a, b in pairs:
+      assert a["doc"] == b["doc"]
+      if task == "meshtrain_gen":
+        assert a["resps"] == b["resps"]
+        continue
+      for (x, *flag_x), (y, *flag_y) in zip((r[0] if isinstance(r[0], (list, tuple)) else r for r in a["resps"]),
+                                            (r[0] if isinstance(r[0], (list, tuple)) else r for r in b["resps"])):
+        assert abs(x - y) < 1e-3 and flag_x == flag_y, (task, a["doc"])
+    assert served["results"][task] == local["results"][task] or task == "meshtrain_text"
+  cli_out = subprocess.run([sys.executable, "-m", "meshtrain.eval", "--workdir", str(workdir), "--tasks",
+                            "meshtrain_mc,meshtrain_gen", "--include-path", str(tasks), "--json"],
+                           capture_output=True, text=True, timeout=600)
+  assert cli_out.returncode == 0, cli_out.stderr[-3000:]
+  printed = json.loads(cli_out.stdout.strip().splitlines()[-1])
+  assert printed["meshtrain_mc"]["acc,none"] == served["results"]["meshtrain_mc"]["acc,none"]
+  assert printed["meshtrain_gen"]["exact_match,none"] == served["results"]["meshtrain_gen"]["exact_match,none"]
+
+
+def test_eval_refuses_unknown_tasks_and_downloads_before_jax(workdir, tmp_path):
+  (tmp_path / "remote.yaml").write_text("task: needs_the_hub\ndataset_path: someone/not-on-this-machine\n"
+                                        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\n"
+                                        "doc_to_choice: '{{c}}'\ndoc_to_target: 0\n")
+  for args, message in [(["--tasks", "no_such_task"], "no_such_task: not a harness task"),
+                        (["--tasks", "needs_the_hub", "--include-path", str(tmp_path)], "without downloading"),
+                        (["--tasks", "x", "--limit", "0"], "--limit 0")]:
+    out = subprocess.run([sys.executable, "-m", "meshtrain.eval", "--workdir", str(workdir), *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
