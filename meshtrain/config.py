@@ -189,7 +189,21 @@ def base_config() -> ml_collections.ConfigDict:
 
   # task=dit and t2i: sampling during training (grids at eval_every) and python -m meshtrain.sample's defaults
   c.sample = _sample_fields()
+
+  # task=lm: lm-evaluation-harness tasks on the current parameters during training (docs/evaluation.md)
+  c.harness = _harness_fields()
   return c
+
+
+def _harness_fields() -> ml_collections.ConfigDict:
+  g = ml_collections.ConfigDict()
+  g.tasks = ""          # comma-separated harness task names ("": none); needs the eval extra
+  g.every = 0           # every N steps and at the end; 0: at eval_every (0 there too: at the end only)
+  g.include_path = ""   # a folder of task YAMLs over local files (nothing is ever downloaded)
+  g.limit = 0           # at most N documents per task; 0: all
+  g.num_fewshot = -1    # few-shot examples; -1: each task's own
+  g.batch_size = 8      # rows per scoring or generation call
+  return g
 
 
 def _distributed_fields() -> ml_collections.ConfigDict:
@@ -613,7 +627,25 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key, size in ((f"mesh.{axis}", cfg.mesh[axis]), (f"mesh.nodes.{axis}", cfg.mesh.nodes[axis])):
       if size == 0 or size < -1:
         raise UserError(f"config key {key!r} is {size}; axis sizes are positive, or -1 to fill from the device count")
+  _check_harness(cfg)
   TASKS[cfg.task].check(cfg)
+
+
+def _check_harness(cfg) -> None:
+  h = cfg.harness
+  if not h.tasks:
+    return
+  if cfg.task != "lm":
+    raise UserError(f"harness.tasks={h.tasks!r}: lm-evaluation-harness evaluates language models (task=lm), this "
+                    f"run is task={cfg.task}")
+  for key, value, low in (("every", h.every, 0), ("limit", h.limit, 0), ("batch_size", h.batch_size, 1),
+                          ("num_fewshot", h.num_fewshot, -1)):
+    if value < low:
+      raise UserError(f"config key 'harness.{key}' is {value}; it must be >= {low}")
+  for axis in ("stage", "sequence"):  # the harness scores through the Generator, which splits over neither
+    if cfg.mesh[axis] != 1 or cfg.mesh.nodes[axis] != 1:
+      raise UserError(f"harness.tasks runs on the training mesh without mesh.{axis}; set mesh.{axis}=1 (and "
+                      f"mesh.nodes.{axis}=1), or evaluate the checkpoints with python -m meshtrain.eval")
 
 
 def _floats(node, prefix=""):

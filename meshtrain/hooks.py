@@ -20,9 +20,10 @@ timer paused (its time is neither step time nor loop time). Evaluation, checkpoi
 (`task.hooks(run)`, e.g. the DiT sample grid) are Periodic.
 
 The loop's list (`for_loop`), in order: Preemption, MetricsLog, Heartbeat, ProfileWindow, Evaluate (with
-eval_every), Checkpoint, then the task's (`task.hooks(run)`), then those passed to `train.train(cfg, workdir,
-hooks=[...])` (bench's loop clock). Every process runs every hook: work that calls compiled functions on sharded
-arrays must run on all processes alike; the writer writes on process 0 only.
+eval_every), Checkpoint, then the task's (the image families' sample grids, the language model's harness tasks),
+then those passed to `train.train(cfg, workdir, hooks=[...])` (bench's loop clock). Every process runs every hook:
+work that calls compiled functions on sharded arrays must run on all processes alike; the writer writes on process
+0 only.
 
 `Run` is what hooks see: cfg, workdir, mesh, layout (layout.state_sharding.params, layout.batch_sharding), task,
 writer (MetricsWriter: write, print, image), timer (Timer: paused(), exclude()), ckpt (Checkpointer), start
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 
 from meshtrain import data
 from meshtrain.errors import RunAborted
-from meshtrain.inference import dit_sampler
+from meshtrain.inference import dit_sampler, harness_tasks
 
 # The train step's own metrics (meshtrain/step.py), besides the count named after the task's unit.
 STEP_METRICS = ("loss", "grad_norm", "learning_rate", "nonfinite_steps", "last_nonfinite_step")
@@ -374,6 +375,40 @@ class PromptSampleHook(Periodic):
       run.writer.write({"step": step, **scores})
     run.writer.print(f"step {step}: samples of {len(self.prompts)} prompts in {path}"
                      + (f"; {t2i_sampler.judged_line(scores)}" if scores else ""))
+
+
+class HarnessHook(Periodic):
+  """task=lm with harness.tasks: lm-evaluation-harness's tasks on the run's current parameters, on its own mesh
+  (meshtrain/inference/harness.py's MeshLM over a Generator of them), at harness.every (default eval_every) and at
+  the end; every metric to metrics.jsonl and TensorBoard as harness/TASK/METRIC. The tasks and their data are
+  loaded when the hook is made, before anything is compiled: an unknown task, or one whose data would have to be
+  downloaded, is a UserError then."""
+
+  def __init__(self, cfg, tokenizer):
+    super().__init__(cfg.harness.every or cfg.eval_every)
+    self.names = [t.strip() for t in cfg.harness.tasks.split(",") if t.strip()]
+    self.manager = harness_tasks.load(self.names, cfg.harness.include_path or None, "harness.tasks")
+    self.tokenizer = tokenizer
+    self.lm = None  # made at the first evaluation, then given each evaluation's parameters (its programs stay)
+
+  def run_at(self, step: int, run) -> None:
+    import lm_eval  # pylint: disable=g-import-not-at-top  (the eval extra: only runs with harness.tasks get here)
+
+    from meshtrain.inference import generator, harness  # pylint: disable=g-import-not-at-top  (imports lm_eval)
+    run.beat(step, "lm-evaluation-harness tasks")
+    h = run.cfg.harness
+    if self.lm is None:
+      gen = generator.Generator(run.params, run.cfg.model, tokenizer=self.tokenizer, mesh=run.mesh,
+                                rules=run.layout.rules, max_len=run.cfg.seq_len)
+      self.lm = harness.MeshLM(gen, h.batch_size)
+    else:
+      self.lm.gen.params = self.lm.gen.place_params(run.params)
+    results = lm_eval.simple_evaluate(model=self.lm, tasks=self.names, task_manager=self.manager,
+                                      limit=h.limit or None, num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
+                                      bootstrap_iters=0, verbosity="WARNING")
+    record = harness_tasks.metrics(results)
+    run.writer.write({"step": step, **record})
+    run.writer.print(f"step {step}: " + ", ".join(f"{k.removeprefix('harness/')} {v:.4g}" for k, v in record.items()))
 
 
 def eval_captions(cfg, count: int = 4) -> list[str]:

@@ -64,6 +64,9 @@ def train(cfg, workdir: pathlib.Path, origin: resume.Resume, preemption, extra_h
   # --- Data, layout and the checkpoint to resume from: every user mistake surfaces here, before any compile. ---
   init = origin.init
   tok, train_src, eval_src = _data(cfg, init)
+  # lm-evaluation-harness tasks during training: loaded now, so that a bad task name or data it would have to
+  # download is refused before anything compiles.
+  harness = hooks_lib.HarnessHook(cfg, tok) if cfg.task == "lm" and cfg.harness.tasks else None
   mesh, layout = _mesh_and_layout(cfg)
   # Each process got here at its own pace (data, tokenizer, tracing); Orbax's barriers are collectives: start together.
   startup.barrier("the checkpoint restore", cfg.distributed.barrier_timeout_s)
@@ -97,7 +100,7 @@ def train(cfg, workdir: pathlib.Path, origin: resume.Resume, preemption, extra_h
     # The task's extra eval input, e.g. the bytes each id stands for: bits per byte compares tokenizers.
     evaluate = hooks_lib.Evaluate(cfg.eval_every, programs.eval_fn, eval_src, layout.eval_extra(tok))
   hooks = hooks_lib.for_loop(run, preemption, profiler, evaluate, origin.checkpoint_meta(layout, tok),
-                             extra_hooks)
+                             [*([harness] if harness else []), *extra_hooks])
   if init is not None and evaluate is not None:
     evaluate.baseline(run)
   # Compile and restore times differ between processes; the first step's collectives must not wait 30 s for a peer.

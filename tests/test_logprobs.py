@@ -20,7 +20,7 @@ from test_generate import train_tiny
 from test_serve import (MAX_TOKENS, MODEL, PROMPTS, greedy, make_generator, params, run_staggered,  # noqa: F401
                         start_server)
 
-from meshtrain import mesh as mesh_lib, sharding
+from meshtrain import mesh as mesh_lib, sharding, train
 from meshtrain.data import tokenization
 from meshtrain.errors import UserError
 from meshtrain.inference import engine as engine_lib, generator, harness
@@ -369,3 +369,37 @@ def test_eval_refuses_unknown_tasks_and_downloads_before_jax(workdir, tmp_path):
     out = subprocess.run([sys.executable, "-m", "meshtrain.eval", "--workdir", str(workdir), *args],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_harness_tasks_during_training_equal_eval_of_the_checkpoint(tmp_path):
+  """harness.tasks every 2 steps: harness/TASK/METRIC in metrics.jsonl at steps 2 and 4 (the end), and the values
+  at step 4 are what `python -m meshtrain.eval` gives on the step-4 checkpoint (on one device, the training on 8)."""
+  (tmp_path / "tasks").mkdir()
+  tasks = harness_tasks(tmp_path / "tasks")
+  workdir = tmp_path / "run"
+  assert train.main(["--config", "configs/tiny.py", "--workdir", str(workdir), "--config.steps=4",
+                     "--config.seq_len=64", "--config.batch_size=8", "--config.eval_every=0",
+                     "--config.model.num_layers=2", "--config.log_every=2", "--config.harness.tasks=meshtrain_mc,"
+                     "meshtrain_text", f"--config.harness.include_path={tasks}", "--config.harness.every=2"]) == 0
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  judged = {r["step"]: r for r in records if "harness/meshtrain_mc/acc" in r}
+  assert sorted(judged) == [2, 4] and "harness/meshtrain_text/word_perplexity" in judged[4]
+  out = subprocess.run([sys.executable, "-m", "meshtrain.eval", "--workdir", str(workdir), "--tasks",
+                        "meshtrain_mc,meshtrain_text", "--include-path", str(tasks), "--json"],
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  printed = json.loads(out.stdout.strip().splitlines()[-1])
+  assert judged[4]["harness/meshtrain_mc/acc"] == printed["meshtrain_mc"]["acc,none"]
+  np.testing.assert_allclose(judged[4]["harness/meshtrain_text/word_perplexity"],
+                             printed["meshtrain_text"]["word_perplexity,none"], rtol=1e-4)
+
+
+def test_harness_config_is_checked_before_training(tmp_path):
+  base = ["--config", "configs/tiny.py", "--workdir", str(tmp_path / "run"), "--config.steps=2"]
+  for extra, message in [(["--config.harness.tasks=no_such_task"], "no_such_task: not a harness task"),
+                         (["--config.harness.tasks=x", "--config.mesh.sequence=2"], "mesh.sequence"),
+                         (["--config.harness.tasks=x", "--config.harness.limit=-1"], "harness.limit")]:
+    out = subprocess.run([sys.executable, "-m", "meshtrain.train", *base, *extra], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -16,11 +16,11 @@ Exit codes: 0 done, 2 a user mistake (an unknown task, data that would be downlo
 a missing checkpoint), one `error:` line.
 """
 import json
-import os
 import pathlib
 
 from meshtrain import cli, config as config_lib
 from meshtrain.errors import ArgumentParser, UserError
+from meshtrain.inference import harness_tasks
 from meshtrain.runtime import startup
 
 
@@ -52,33 +52,11 @@ def parse_args(argv: list[str]):
   return args, cfg, workdir
 
 
-def load_tasks(names: list[str], include_path: str | None):
-  """The harness's TaskManager, with every task's data loaded now (offline): UserError naming an unknown task or one
-  whose data is not on this machine."""
-  os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"  # a task never downloads
-  from lm_eval import tasks as lm_eval_tasks  # pylint: disable=g-import-not-at-top  (reads the variables above)
-  if include_path is not None and not pathlib.Path(include_path).is_dir():
-    raise UserError(f"--include-path {include_path}: not a folder of task YAMLs")
-  manager = lm_eval_tasks.TaskManager(include_path=include_path)
-  unknown = [t for t in names if t not in manager.all_tasks]
-  if not names or unknown:
-    raise UserError(f"--tasks: {', '.join(unknown) or 'none given'}: not a harness task here; "
-                    "`lm_eval ls tasks` lists them, --include-path adds your own YAMLs")
-  try:
-    lm_eval_tasks.get_task_dict(names, manager)
-  except Exception as e:  # datasets' offline and missing-file errors have no common type
-    raise UserError(f"--tasks {','.join(names)}: the data could not be loaded without downloading "
-                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); point the task at local "
-                    "files (dataset_path: json, dataset_kwargs.data_files) or put the dataset in the Hugging Face "
-                    "cache first") from None
-  return manager
-
-
 @cli.command
 def main(argv: list[str]) -> int:
   args, cfg, workdir = parse_args(argv)
-  manager = load_tasks(args.tasks, args.include_path)
-  import lm_eval  # pylint: disable=g-import-not-at-top  (after the offline switch of load_tasks)
+  manager = harness_tasks.load(args.tasks, args.include_path)
+  import lm_eval  # pylint: disable=g-import-not-at-top  (after harness_tasks switched the Hub off)
 
   from meshtrain.inference import generator, harness  # JAX: once the arguments and tasks are checked
   startup.start(cfg)
