@@ -22,7 +22,7 @@ PACKAGE = ROOT / "meshtrain"
 # light but absent from the GPU machine's package set (experiments/gpu_dryrun.sh): only runs that use them import them.
 HEAVY = {"tokenizers", "sentencepiece", "jax", "jaxlib", "flax", "optax", "orbax", "tensorflow", "tensorflow_datasets",
          "grain", "torch", "transformers", "sklearn", "matplotlib", "PIL", "tensorboardX", "array_record", "jinja2",
-         "scipy", "numpy", "pyarrow"}
+         "scipy", "numpy", "pyarrow", "lm_eval"}
 COMMAND_MAX_LINES = 150
 ALIAS_MAX_LINES = 6
 LOCAL_IMPORTS_PER_1000_LINES = 3

@@ -67,6 +67,5 @@ def main(argv: list[str]) -> int:
     if args.json:
       print(json.dumps(results["results"], default=str))
     else:
-      from lm_eval.utils import make_table  # pylint: disable=g-import-not-at-top
-      print(make_table(results))
+      print(lm_eval.utils.make_table(results))
   return 0
