@@ -56,7 +56,7 @@ def parse_args(argv: list[str]):
 def main(argv: list[str]) -> int:
   args, cfg, workdir = parse_args(argv)
   manager = harness_tasks.load(args.tasks, args.include_path)
-  import lm_eval  # pylint: disable=g-import-not-at-top  (after harness_tasks switched the Hub off)
+  import lm_eval.utils  # pylint: disable=g-import-not-at-top  (after harness_tasks switched the Hub off)
 
   from meshtrain.inference import generator, harness  # JAX: once the arguments and tasks are checked
   startup.start(cfg)
