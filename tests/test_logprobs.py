@@ -147,7 +147,8 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(workdir):
-  proc, url = start_server(workdir, "--slots", "4")
+  # A served name, as vLLM's: the one name in /v1/models and every response, whatever the step.
+  proc, url = start_server(workdir, "--slots", "4", "--served-model-name", "org/scorer")
   yield proc, url
   proc.kill()
   proc.wait()
@@ -248,6 +249,7 @@ def test_probed_endpoints_and_json_errors(client, server, workdir):
   info = json.loads(urllib.request.urlopen(base + "/tokenizer_info", timeout=30).read())
   assert info["eos_token"] == "<eos>" and info["model_max_length"] == 64
   model = client.models.list().data[0].id
+  assert model == "org/scorer" and client.completions.create(model=model, prompt="a", max_tokens=1).model == model
   assert client.models.retrieve(model).id == model and client.models.retrieve(workdir.name).id == model
   with pytest.raises(openai.NotFoundError):
     client.models.retrieve("another")

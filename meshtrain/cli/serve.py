@@ -1,11 +1,11 @@
 """Serve a trained (or converted) language model over an OpenAI-compatible HTTP API, with continuous batching.
 
   python -m meshtrain.serve --workdir W [--step N | --follow-s 10] [--port 8000] [--host 127.0.0.1] [--slots 8]
-      [--max-queue 64] [--api-key KEY] [--grace-s 30] [--max-len N] [--warm]
+      [--max-queue 64] [--api-key KEY] [--served-model-name NAME] [--grace-s 30] [--max-len N] [--warm]
       [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N --config.model.dtype=float32]
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),
-GET /health, GET /metrics. The engine (meshtrain/inference/engine.py) decodes `--slots` requests at once on the mesh
+POST /tokenize and /detokenize, GET /tokenizer_info, GET /health, GET /metrics. The engine (meshtrain/inference/engine.py) decodes `--slots` requests at once on the mesh
 the --config.mesh.* sizes give (as generate; one device on the CPU unless --config.cpu_devices says more); the HTTP
 layer is meshtrain/inference/server.py. Without --step it serves the newest checkpoint and, while the run trains,
 swaps in each newer one it finds (looked for every --follow-s seconds; 0: never), with nothing compiled again.
@@ -36,6 +36,9 @@ def parse_args(argv: list[str]):
   parser.add_argument("--slots", type=int, default=8, help="requests decoded at once")
   parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
   parser.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every call")
+  parser.add_argument("--served-model-name", default=None,
+                      help="the model's one name in /v1/models and every response (default: RUN@STEP), e.g. the "
+                           "Hugging Face repo of its tokenizer, for clients that look one up by the model's name")
   parser.add_argument("--grace-s", type=float, default=30.0, help="how long SIGTERM waits for requests in flight")
   parser.add_argument("--max-len", type=int, default=None,
                       help="longest prompt + completion in tokens (default: the run's seq_len, its trained context)")

@@ -149,8 +149,9 @@ class Server:
   each response names the step that answered it; `workdir` is where the chat template is read; `api_key`, when
   set, is required as `Authorization: Bearer KEY` on every call."""
 
-  def __init__(self, engine, run: str, workdir=None, api_key: str | None = None, grace_s: float = 30.0):
-    self.engine, self.run, self.workdir = engine, run, workdir
+  def __init__(self, engine, run: str, workdir=None, api_key: str | None = None, grace_s: float = 30.0,
+               served_name: str | None = None):
+    self.engine, self.run, self.workdir, self.served_name = engine, run, workdir, served_name
     self.api_key, self.grace_s = api_key, grace_s
     self.metrics = Metrics(engine)
     self.draining = False
@@ -177,6 +178,8 @@ class Server:
     return self.name_at(self.engine.step_served)
 
   def name_at(self, step: int | None) -> str:
+    if self.served_name is not None:  # the one name, whatever the step (vLLM's --served-model-name)
+      return self.served_name
     return self.run if step is None else f"{self.run}@{step}"
 
   # --- the engine thread ---
@@ -345,8 +348,9 @@ class Server:
     model = body.get("model")
     # RUN, or RUN@STEP of any step: a client that read /v1/models before a newer checkpoint was swapped in still
     # reaches the run (the response's `model` names the step that answered).
-    if model is not None and not (model == self.run or (isinstance(model, str) and model.startswith(self.run + "@")
-                                                        and model[len(self.run) + 1:].isdigit())):
+    if model is not None and model != self.served_name and not (
+        model == self.run or (isinstance(model, str) and model.startswith(self.run + "@")
+                              and model[len(self.run) + 1:].isdigit())):
       raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                      param="model")
 

@@ -73,7 +73,8 @@ def serve(cfg, workdir, step: int, options) -> None:
       signal.signal(sig, signal.SIG_IGN)
     engine.follow()
     return
-  server = Server(engine, workdir.resolve().name, workdir=workdir, api_key=options.api_key, grace_s=options.grace_s)
+  server = Server(engine, workdir.resolve().name, workdir=workdir, api_key=options.api_key, grace_s=options.grace_s,
+                  served_name=options.served_model_name)
   what = ("images" if options.task in ("dit", "t2i") else
           f"{engine.slots} slots, context {engine.max_len}, {engine.processes} process(es)")
   ready = lambda port: print(f"serving {server.model_name} on http://{options.host}:{port}/v1 ({what})",
