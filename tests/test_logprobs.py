@@ -219,12 +219,15 @@ def test_chat_logprobs(client, workdir):
   assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
 
 
-def test_fields_that_would_change_the_result_are_refused(client, server):
-  for extra, param in [({"logit_bias": {"41": -100}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
-                       ({"frequency_penalty": 1}, "frequency_penalty"), ({"suffix": "x"}, "suffix"),
-                       ({"best_of": 2}, "best_of"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                       ({"min_tokens": 3}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
-                       ({"echo": True, "stream": True}, "echo"), ({"stop_token_ids": [10**6]}, "stop_token_ids")]:
+def test_fields_that_would_change_the_result_are_honoured_or_refused(client, server):
+  for extra, param in [({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"),
+                       ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"response_format": {"type": "json_object"}},
+                                                                     "response_format"),
+                       ({"echo": True, "stream": True}, "echo"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+                       ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"41": -101}}, "logit_bias"),
+                       ({"presence_penalty": 2.5}, "presence_penalty"),
+                       ({"repetition_penalty": 0}, "repetition_penalty"),
+                       ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")]:
     with pytest.raises(openai.BadRequestError) as refused:
       client.completions.create(model=None, prompt="a", max_tokens=2, extra_body=extra)
     assert refused.value.body["param"] == param, extra
@@ -233,6 +236,14 @@ def test_fields_that_would_change_the_result_are_refused(client, server):
   # Neutral values and fields that cannot change the tokens pass.
   client.completions.create(model=None, prompt="a", max_tokens=2, presence_penalty=0, logit_bias={}, user="me",
                             best_of=1)
+  # logit_bias is honoured: +100 on ")" makes every greedy token ")"; -100 on it keeps ")" out of a text that had it.
+  forced = client.completions.create(model=None, prompt="f(", max_tokens=6, temperature=0,
+                                     logit_bias={str(ord(")")): 100}, extra_body={"ignore_eos": True})
+  assert forced.choices[0].text == ")" * 6
+  kept = client.completions.create(model=None, prompt="f(", max_tokens=6, temperature=0, extra_body={
+      "ignore_eos": True, "logit_bias": {str(ord(")")): 100}, "presence_penalty": 2.0, "frequency_penalty": 2.0,
+      "repetition_penalty": 1.0, "min_tokens": 6})
+  assert kept.usage.completion_tokens == 6
   # ignore_eos runs to max_tokens; stop_token_ids end on their token (not shown in the text).
   long = client.completions.create(model=None, prompt="a", max_tokens=12, temperature=0, logprobs=0,
                                    extra_body={"ignore_eos": True})
@@ -405,3 +416,89 @@ def test_harness_config_is_checked_before_training(tmp_path):
                          timeout=300)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- logits processing: logit_bias, penalties, min_tokens ---
+
+
+@pytest.fixture(scope="module")
+def processed_reference(params):  # noqa: F811
+  """Greedy tokens with vLLM's logits processing, by the training forward pass of the whole sequence at every step
+  (float64 arithmetic on its float32 logits), each row right-padded to one length: one compiled program."""
+  L = 64
+  forward = jax.jit(lambda p, t: Transformer(MODEL).apply({"params": p}, t))
+
+  def greedy_processed(prompt, n, bias=None, presence=0.0, frequency=0.0, repetition=1.0, min_tokens=0, ends=()):
+    ids, new = list(prompt), []
+    V = MODEL.vocab_size
+    for t in range(n):
+      tokens = np.zeros((1, L), np.int32)
+      tokens[0, :len(ids)] = ids
+      logits = np.asarray(forward(params, tokens)[0, len(ids) - 1], np.float64)
+      counts = np.bincount(new, minlength=V)
+      seen = counts > 0
+      seen[list(prompt)] = True
+      x = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+      x = x - frequency * counts - presence * (counts > 0)
+      for i, b in (bias or {}).items():
+        x[i] += b
+      if t < min_tokens:
+        x[list(ends)] = -np.inf
+      new.append(int(np.argmax(x)))
+      ids.append(new[-1])
+    return new
+  return greedy_processed
+
+
+def test_logit_bias_penalties_and_min_tokens_equal_a_reference(gen, processed_reference):
+  engine = engine_lib.Engine(gen, slots=4)
+  plain = finish(engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20))[0].token_ids
+  cases = [dict(logit_bias={plain[0]: -100.0}), dict(logit_bias={65: 100.0}),
+           dict(logit_bias={plain[1]: -3.0, 66: 2.5}), dict(presence_penalty=1.5),
+           dict(frequency_penalty=0.8), dict(repetition_penalty=1.3),
+           dict(presence_penalty=-1.0, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={plain[2]: 4.0})]
+  rename = {"logit_bias": "bias", "presence_penalty": "presence", "frequency_penalty": "frequency",
+            "repetition_penalty": "repetition"}
+  for case in cases:
+    got = finish(engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20, ignore_eos=True, **case))[0]
+    expected = processed_reference(PROMPTS[0], 20, **{rename[k]: v for k, v in case.items()})
+    assert got.token_ids == expected, case
+  assert got.token_ids != plain
+
+
+def test_min_tokens_holds_back_the_end_tokens(params, processed_reference):  # noqa: F811
+  g = make_generator(params)
+  engine = engine_lib.Engine(g, slots=2)
+  plain = finish(engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20, ignore_eos=True))[0].token_ids
+  g.eos_id = plain[0]
+  eos_engine = engine_lib.Engine(g, slots=2)
+  stopped = finish(eos_engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20))[0]
+  assert stopped.token_ids == [plain[0]]
+  held = finish(eos_engine, engine_lib.Request(prompt_ids=PROMPTS[0], max_tokens=20, min_tokens=5,
+                                               stop_token_ids=(plain[3],)))[0]
+  expected = processed_reference(PROMPTS[0], 20, min_tokens=5, ends=(plain[0], plain[3]))
+  ends = [i for i, t in enumerate(expected) if t in (plain[0], plain[3]) and i >= 5]
+  assert held.token_ids == expected[:ends[0] + 1] if ends else expected
+  assert len(held.token_ids) > 5 and all(t not in (plain[0], plain[3]) for t in held.token_ids[:5])
+
+
+def test_processed_requests_under_continuous_batching_equal_a_solo_run(gen):
+  """Rows with and without processing, greedy and seeded, arriving while others decode: each gets its solo tokens
+  (a step that processes some rows leaves the others' logits as they are; a slot's settings are its request's)."""
+  asks = [dict(presence_penalty=1.0), dict(), dict(temperature=1.0, seed=3, logit_bias={70: 5.0}, top_k=20),
+          dict(repetition_penalty=1.5, frequency_penalty=0.3), dict(temperature=0.8, seed=9)]
+  make = lambda i: engine_lib.Request(prompt_ids=PROMPTS[i], **{"max_tokens": MAX_TOKENS[i], **asks[i]})
+  alone = [finish(engine_lib.Engine(gen, slots=4), make(i))[0].token_ids for i in range(len(PROMPTS))]
+  together = [make(i) for i in range(len(PROMPTS))] + [make(0), make(2)]  # slots reused by other settings
+  run_staggered(engine_lib.Engine(gen, slots=4), together, every=1)
+  assert [r.token_ids for r in together] == alone + [alone[0], alone[2]]
+
+
+def test_processing_settings_are_checked(gen):
+  engine = engine_lib.Engine(gen, slots=2)
+  for bad, message in [(dict(logit_bias={10**6: 1.0}), "logit_bias"), (dict(logit_bias={1: 101.0}), "logit_bias"),
+                       (dict(presence_penalty=3.0), "presence_penalty"), (dict(repetition_penalty=0.0), "repetition"),
+                       (dict(min_tokens=30, max_tokens=10), "min_tokens"),
+                       (dict(min_tokens=1, stop_token_ids=tuple(range(8))), "at most 7")]:
+    with pytest.raises(UserError, match=message):
+      engine.submit(engine_lib.Request(prompt_ids=[1], **bad))

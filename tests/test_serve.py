@@ -207,7 +207,7 @@ def test_warm_runs_every_program_once_and_changes_no_answer(gen, expected):
   engine = engine_lib.Engine(gen, slots=2)
   before = engine.steps
   engine.warm(16)
-  assert set(engine.prefills) == {(16, 1, False), (16, 2, False)}
+  assert set(engine.prefills) == {(16, 1, False, False), (16, 2, False, False)}
   assert int(engine.state["t_B"][0]) == sum(k for k, *_ in engine.decodes)  # each decode program ran (row 0 is in all)
   requests = [greedy(0), greedy(4)]
   engine.submit(*requests)

@@ -5,13 +5,13 @@
       [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N --config.model.dtype=float32]
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),
-POST /tokenize and /detokenize, GET /tokenizer_info, GET /health, GET /metrics. The engine (meshtrain/inference/engine.py) decodes `--slots` requests at once on the mesh
-the --config.mesh.* sizes give (as generate; one device on the CPU unless --config.cpu_devices says more); the HTTP
-layer is meshtrain/inference/server.py. Without --step it serves the newest checkpoint and, while the run trains,
-swaps in each newer one it finds (looked for every --follow-s seconds; 0: never), with nothing compiled again.
-Under a multi-process launch (meshtrain.launch, srun) process 0 serves HTTP and every process runs the engine's
-steps on its devices. SIGTERM stops accepting (503), lets the requests in flight finish within --grace-s seconds,
-and exits 0.
+POST /tokenize and /detokenize, GET /tokenizer_info, GET /health, GET /metrics. The engine
+(meshtrain/inference/engine.py) decodes `--slots` requests at once on the mesh the --config.mesh.* sizes give (as
+generate; one device on the CPU unless --config.cpu_devices says more); the HTTP layer is
+meshtrain/inference/server.py. Without --step it serves the newest checkpoint and, while the run trains, swaps in
+each newer one it finds (looked for every --follow-s seconds; 0: never), with nothing compiled again. Under a
+multi-process launch (meshtrain.launch, srun) process 0 serves HTTP and every process runs the engine's steps on its
+devices. SIGTERM stops accepting (503), lets the requests in flight finish within --grace-s seconds, and exits 0.
 
 Exit codes: 0 stopped, 2 a bad argument or workdir (one `error:` line, before JAX starts).
 """

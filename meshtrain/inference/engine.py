@@ -89,6 +89,10 @@ ROW_DIVISORS = (4, 2, 1)
 # this many for every row when any row asks for some (one top_k program, not one per count), and each row keeps
 # the number it asked for.
 TOP_LOGPROBS = 20
+# A request's logit_bias entries (OpenAI's bound: 300), and the tokens min_tokens holds back (the end-of-sequence
+# token and stop_token_ids): fixed widths, so that a prefill's processing settings travel in one int32 array.
+MAX_BIAS = 300
+MAX_ENDS = 8
 # Longest wait for a request while idle: also how often process 0 tells the other processes it is still there (the
 # CPU backend's collectives give a peer that is late only so long).
 IDLE_S = 0.5
@@ -114,6 +118,14 @@ class Request:
   echo: bool = False           # the prompt's logprobs too (its first token has none); max_tokens may then be 0
   ignore_eos: bool = False     # the end-of-sequence token does not end it (it is kept, and shows no text)
   stop_token_ids: tuple[int, ...] = ()  # tokens that end it as its end-of-sequence token does
+  # The logits it samples from (`processed`): {id: bias} added; presence and frequency penalties over its new
+  # tokens, the repetition penalty over its prompt's and new tokens (vLLM's); its end tokens held back until it has
+  # min_tokens new ones.
+  logit_bias: dict = dataclasses.field(default_factory=dict)
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  min_tokens: int = 0
   on_update: object = None
   token_ids: list[int] = dataclasses.field(default_factory=list)  # new tokens, the end-of-sequence token included
   # With `logprobs`: per new token, its logprob and the `logprobs` most likely (id, logprob) pairs; with `echo`,
@@ -142,6 +154,22 @@ class Request:
   @property
   def done(self) -> bool:
     return self.finish_reason is not None
+
+  @property
+  def processed(self) -> bool:
+    """Whether its logits are changed before sampling (any of logit_bias, the penalties, min_tokens)."""
+    return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                or self.min_tokens)
+
+  def processing(self, eos_id: int) -> np.ndarray:
+    """Its processing settings as one int32 row (PROCESSING columns): the penalties' float32 bits, min_tokens, the
+    end tokens (-1 padded), the bias ids (-1 padded) and the biases' float32 bits."""
+    bits = lambda x: int(np.float32(x).view(np.int32))
+    ends = ([] if self.ignore_eos else [eos_id]) + list(self.stop_token_ids)
+    ids, values = list(self.logit_bias), list(self.logit_bias.values())
+    return np.asarray([bits(self.presence_penalty), bits(self.frequency_penalty), bits(self.repetition_penalty),
+                       self.min_tokens, *ends, *[-1] * (MAX_ENDS - len(ends)), *ids, *[-1] * (MAX_BIAS - len(ids)),
+                       *map(bits, values), *[0] * (MAX_BIAS - len(values))], np.int32)
 
 
 def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
@@ -196,12 +224,56 @@ def logprobs_rows(logits_BV, token_B, want_B, num_ids: int):
   return jax.lax.cond(jnp.any(want_B), compute, none, None)
 
 
+PROCESSING = 4 + MAX_ENDS + 2 * MAX_BIAS  # columns of Request.processing
+NEUTRAL = Request(prompt_ids=[], ignore_eos=True).processing(-1)  # a prefill row that changes no logit
+
+
+def unpack_processing(x_RC):
+  """Request.processing's rows as arrays: penalties [R, 3] (presence, frequency, repetition), min_tokens [R], end
+  tokens [R, MAX_ENDS] and bias ids and values [R, MAX_BIAS] (-1: none)."""
+  penalties_R3 = jax.lax.bitcast_convert_type(x_RC[:, :3], jnp.float32)
+  ends = 4 + MAX_ENDS
+  bias_R = jax.lax.bitcast_convert_type(x_RC[:, ends + MAX_BIAS:], jnp.float32)
+  return penalties_R3, x_RC[:, 3], x_RC[:, 4:ends], x_RC[:, ends:ends + MAX_BIAS], bias_R
+
+
+def dense_rows(ids_RK, values_RK, V: int, fill=0):
+  """[R, V] with row r's ids_RK[r] (-1: none) set to values_RK[r], `fill` elsewhere."""
+  R = ids_RK.shape[0]
+  rows = jnp.broadcast_to(jnp.arange(R)[:, None], ids_RK.shape)
+  cols = jnp.where(ids_RK >= 0, ids_RK, V)  # out of range: dropped
+  return jnp.full((R, V), fill, values_RK.dtype).at[rows, cols].set(values_RK, mode="drop")
+
+
+def processed_logits(logits_BV, s: dict, t_B):
+  """The logits each row samples from, vLLM's order: the repetition penalty on the tokens of its prompt and new
+  tokens (positive logits divided by it, negative multiplied), the frequency and presence penalties on its new
+  tokens' counts, its logit_bias, and its end tokens at -inf while it has fewer than min_tokens new tokens (`t_B`:
+  new tokens before this one). Rows without processing keep their logits."""
+  presence_B, frequency_B, repetition_B = (s["penalties_B3"][:, i, None] for i in range(3))
+  counts_BV = s["counts_BV"]
+  seen_BV = s["prompt_BV"] | (counts_BV > 0)
+  x_BV = jnp.where(seen_BV, jnp.where(logits_BV > 0, logits_BV / repetition_B, logits_BV * repetition_B), logits_BV)
+  x_BV = x_BV - frequency_B * counts_BV - presence_B * (counts_BV > 0) + s["bias_BV"]
+  early_BV = dense_rows(s["ends_BE"], jnp.ones(s["ends_BE"].shape, bool), logits_BV.shape[-1], False)
+  x_BV = jnp.where(early_BV & (t_B < s["min_B"])[:, None], -jnp.inf, x_BV)
+  return jnp.where(s["processed_B"][:, None], x_BV, logits_BV)
+
+
 def key_data(seed):
   """The key data of `jax.random.key(seed)` for a request's seed (traceable: the prefill derives its rows' keys on the
   device, not one host-side JAX call per prompt). JAX, 64-bit types off as meshtrain runs it, seeds a key with the
   seed's low 32 bits; the seed arrives as those bits (uint32), so the keys equal Generator.generate's
   (tests/test_serve.py checks seeds past 32 bits and negative ones against jax.random.key)."""
   return jax.random.key_data(jax.random.key(seed))
+
+
+def neutral_processing(B: int, V: int) -> dict:
+  """The engine state's logits processing rows with nothing to do: no penalties, bias, min_tokens or counts."""
+  return {"processed_B": jnp.zeros(B, bool), "penalties_B3": jnp.tile(jnp.asarray([0.0, 0.0, 1.0]), (B, 1)),
+          "min_B": jnp.zeros(B, jnp.int32), "ends_BE": jnp.full((B, MAX_ENDS), -1, jnp.int32),
+          "bias_BV": jnp.zeros((B, V), jnp.float32), "counts_BV": jnp.zeros((B, V), jnp.int32),
+          "prompt_BV": jnp.zeros((B, V), bool)}
 
 
 class DecodeCall(typing.NamedTuple):
@@ -223,6 +295,7 @@ class Plan:
   admit: list = dataclasses.field(default_factory=list)     # (slot, Request): process 0's, before encoding
   prompts: list = dataclasses.field(default_factory=list)   # (slot, (ids, seed, temp, top_p, top_k, logprobs, echo))
   decode: int = 0
+  eos_id: int = -1  # process 0's: the end-of-sequence id of the requests' processing rows
   attend: int = 0   # the cache slots the decode steps attend over (a program of Engine.attends)
   rows: int = 0     # the slots the decode steps decode: the first `rows` (a program of Engine.row_counts)
   stop: bool = False
@@ -235,6 +308,7 @@ class Plan:
       low, high = np.asarray(r.seed & 0xFFFFFFFF, np.uint32).view(np.int32), r.seed >> 32
       out += [slot, low, high, as_int(r.temperature), as_int(r.top_p), r.top_k,
               -1 if r.logprobs is None else r.logprobs, int(r.echo), len(r.prompt_ids), *r.prompt_ids]
+      out += [1, *r.processing(self.eos_id)] if r.processed else [0]
     return np.asarray(out, np.int32)
 
   @classmethod
@@ -246,9 +320,11 @@ class Plan:
     for _ in range(x[5]):
       slot, low, high, temp, top_p, top_k, logprobs, echo, n = x[at:at + 9]
       seed = (high << 32) | (low & 0xFFFFFFFF)
-      plan.prompts.append((slot, (x[at + 9:at + 9 + n], seed, as_float(temp), as_float(top_p), top_k, logprobs,
-                                  bool(echo))))
-      at += 9 + n
+      ids, at = x[at + 9:at + 9 + n], at + 9 + n
+      processing = np.asarray(x[at + 1:at + 1 + PROCESSING], np.int32) if x[at] else None
+      at += 1 + (PROCESSING if x[at] else 0)
+      plan.prompts.append((slot, (ids, seed, as_float(temp), as_float(top_p), top_k, logprobs, bool(echo),
+                                  processing)))
     return plan
 
 
@@ -334,7 +410,8 @@ class Engine:
       return {"cache": cache.replace(end=jnp.zeros(B, jnp.int32)), "token_B": jnp.zeros(B, jnp.int32),
               "t_B": jnp.zeros(B, jnp.int32), "key_B": jnp.zeros((B, *key_data(0).shape), jnp.uint32),
               "temp_B": jnp.zeros(B, jnp.float32), "top_p_B": jnp.ones(B, jnp.float32),
-              "top_k_B": jnp.zeros(B, jnp.int32), "logprobs_B": jnp.full(B, -1, jnp.int32)}
+              "top_k_B": jnp.zeros(B, jnp.int32), "logprobs_B": jnp.full(B, -1, jnp.int32),
+              **neutral_processing(B, c.vocab_size)}
 
     def decode(params, state, attend):
       # Every row holding a request writes below `attend` during the call (the plan picks it so); a free row keeps
@@ -344,10 +421,16 @@ class Engine:
       cache = cache.replace(end=jnp.minimum(cache.end, attend - 1), attend=attend)
       logits_B1V, cache = g.model.apply({"params": params}, state["token_B"][:, None], cache=cache)
       keys_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state["key_B"]), state["t_B"])
-      token_B = sample_rows(logits_B1V[:, 0], keys_B, state["temp_B"], state["top_p_B"], state["top_k_B"], g.num_ids)
+      logits_BV, any_processed = logits_B1V[:, 0], jnp.any(state["processed_B"])
+      drawn_BV = jax.lax.cond(any_processed, lambda: processed_logits(logits_BV, state, state["t_B"]),
+                              lambda: logits_BV)
+      token_B = sample_rows(drawn_BV, keys_B, state["temp_B"], state["top_p_B"], state["top_k_B"], g.num_ids)
       out = dict(zip(("token", "logprob", "top_id", "top_logprob"), (token_B, *logprobs_rows(
-          logits_B1V[:, 0], token_B, state["logprobs_B"] >= 0, g.num_ids))))
-      return {**state, "cache": cache.replace(attend=0), "token_B": token_B, "t_B": state["t_B"] + 1}, out
+          logits_BV, token_B, state["logprobs_B"] >= 0, g.num_ids))))
+      counts_BV = jax.lax.cond(any_processed, lambda c: c.at[jnp.arange(c.shape[0]), token_B].add(1), lambda c: c,
+                               state["counts_BV"])
+      return {**state, "cache": cache.replace(attend=0), "token_B": token_B, "t_B": state["t_B"] + 1,
+              "counts_BV": counts_BV}, out
 
     def decode_steps(params, state, steps, attend, rows):
       """`steps` decode steps in one device call of the first `rows` slots, attending over the cache's first
@@ -386,24 +469,24 @@ class Engine:
   def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
-  def _prefill(self, P: int, R: int, echo: bool = False):
-    """The compiled prefill-and-insert of R prompts padded to P tokens, with the prompts' own logprobs when `echo`
-    (compiled on first use; with several processes, all of them compile it in the same step, then wait for each
-    other before its first run)."""
-    if (P, R, echo) not in self.prefills:
-      self.prefills[P, R, echo] = self._compile_prefill(P, R, echo)
+  def _prefill(self, P: int, R: int, echo: bool = False, processed: bool = False):
+    """The compiled prefill-and-insert of R prompts padded to P tokens, with the prompts' own logprobs when `echo`,
+    and the rows' logits processing settings when `processed` (compiled on first use; with several processes, all
+    of them compile it in the same step, then wait for each other before its first run)."""
+    if (P, R, echo, processed) not in self.prefills:
+      self.prefills[P, R, echo, processed] = self._compile_prefill(P, R, echo, processed)
       startup.barrier("serving's first run of a compiled prefill", self.gen.barrier_timeout_s)
-    return self.prefills[P, R, echo]
+    return self.prefills[P, R, echo, processed]
 
   def _rows(self, count: int) -> int:
     """Rows of a prefill of `count` prompts: a power of two (few programs), whole rows on every batch shard."""
     ways = self.gen.batch_ways
     return -(-(1 << (max(count, ways) - 1).bit_length()) // ways) * ways
 
-  def _compile_prefill(self, P: int, R: int, echo: bool):
+  def _compile_prefill(self, P: int, R: int, echo: bool, processed: bool):
     g, c = self.gen, self.gen.model_cfg
 
-    def prefill(params, state, tokens_RP, rows_R8):
+    def prefill(params, state, tokens_RP, rows_R8, processing_RC):
       """Rows past the prompts (slot_R = slots, out of range) fill the batch: their writes are dropped. `rows_R8`:
       each row's start, slot, seed (its low 32 bits), temperature, top_p (float32 bits), top_k, logprobs (-1: none)
       and echo, one array (one transfer: eight cost the host more than a small model's prefill)."""
@@ -413,7 +496,21 @@ class Engine:
       logits_RLV, pre = g.model.apply({"params": params}, tokens_RP, cache=init_cache(c, R, P, start_R),
                                       every_column=echo)
       keys_R = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_R), jnp.zeros(R, jnp.int32))
-      token_R = sample_rows(logits_RLV[:, -1], keys_R, temp_R, top_p_R, top_k_R, g.num_ids)
+      rows = neutral_processing(R, c.vocab_size)  # every slot taken starts from its own request's settings
+      if processed:
+        penalties_R3, min_R, ends_RE, bias_ids_RK, bias_R = unpack_processing(processing_RC)
+        prompt_RP = jnp.where(jnp.arange(P) >= start_R[:, None], tokens_RP, -1)
+        rows.update(penalties_B3=penalties_R3, min_B=min_R, ends_BE=ends_RE,
+                    bias_BV=dense_rows(bias_ids_RK, bias_R, c.vocab_size),
+                    prompt_BV=dense_rows(prompt_RP, jnp.ones(prompt_RP.shape, bool), c.vocab_size, False),
+                    processed_B=(penalties_R3[:, 0] != 0) | (penalties_R3[:, 1] != 0) | (penalties_R3[:, 2] != 1)
+                    | (bias_ids_RK >= 0).any(-1) | (min_R > 0))
+        drawn_RV = processed_logits(logits_RLV[:, -1], rows, jnp.zeros(R, jnp.int32))
+      else:
+        drawn_RV = logits_RLV[:, -1]
+      token_R = sample_rows(drawn_RV, keys_R, temp_R, top_p_R, top_k_R, g.num_ids)
+      if processed:
+        rows["counts_BV"] = rows["counts_BV"].at[jnp.arange(R), token_R].add(1)
       out = dict(zip(("token", "logprob", "top_id", "top_logprob"),
                      (token_R, *logprobs_rows(logits_RLV[:, -1], token_R, logprobs_R >= 0, g.num_ids))))
       if echo:  # column j's logits score the prompt's token j + 1: [R, P - 1] and [R, P - 1, A]
@@ -431,11 +528,13 @@ class Engine:
       return {"cache": cache, "token_B": at(state["token_B"], token_R), "t_B": at(state["t_B"], jnp.ones(R, jnp.int32)),
               "key_B": at(state["key_B"], key_data_R), "temp_B": at(state["temp_B"], temp_R),
               "top_p_B": at(state["top_p_B"], top_p_R), "top_k_B": at(state["top_k_B"], top_k_R),
-              "logprobs_B": at(state["logprobs_B"], logprobs_R)}, out
+              "logprobs_B": at(state["logprobs_B"], logprobs_R),
+              **{k: at(state[k], v) for k, v in rows.items()}}, out
 
     args = (self._abstract(g.params), self._abstract(self.state),
             jax.ShapeDtypeStruct((R, P), jnp.int32, sharding=self.batch_sharding),
-            jax.ShapeDtypeStruct((R, 8), jnp.int32, sharding=self.replicated))
+            jax.ShapeDtypeStruct((R, 8), jnp.int32, sharding=self.replicated),
+            jax.ShapeDtypeStruct((R, PROCESSING) if processed else (R, 0), jnp.int32, sharding=self.replicated))
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
       return jax.jit(prefill, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
           *args).compile()
@@ -470,6 +569,7 @@ class Engine:
       raise UserError(f"max_tokens {request.max_tokens} must be at least {0 if request.echo else 1}")
     if request.logprobs is not None and not 0 <= request.logprobs <= TOP_LOGPROBS:
       raise UserError(f"logprobs {request.logprobs} must be between 0 and {TOP_LOGPROBS}")
+    self.check_processing(request)
     vocab = self.gen.model_cfg.vocab_size
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
       raise UserError(f"the prompt has a token id outside the model's vocabulary 0..{vocab - 1}")
@@ -479,6 +579,27 @@ class Engine:
       Sampling(float(request.temperature), int(request.top_k), float(request.top_p)).check(vocab)
     except UserError as e:
       raise UserError(str(e).replace("--top-k", "top_k").replace("--top-p", "top_p")) from None
+
+  def check_processing(self, request: Request) -> None:
+    """UserError for logits processing settings out of range (OpenAI's bounds where it has them)."""
+    vocab = self.gen.model_cfg.vocab_size
+    bias = request.logit_bias
+    if len(bias) > MAX_BIAS:
+      raise UserError(f"logit_bias has {len(bias)} entries; at most {MAX_BIAS}")
+    if any(not 0 <= i < vocab for i in bias) or any(not -100 <= v <= 100 for v in bias.values()):
+      raise UserError(f"logit_bias maps token ids 0..{vocab - 1} to biases between -100 and 100")
+    for name in ("presence_penalty", "frequency_penalty"):
+      if not -2 <= getattr(request, name) <= 2:
+        raise UserError(f"{name} {getattr(request, name)} must be between -2 and 2")
+    if not 0 < request.repetition_penalty <= 100:
+      raise UserError(f"repetition_penalty {request.repetition_penalty} must be above 0 (1: none) and at most 100")
+    if not 0 <= request.min_tokens <= request.max_tokens:
+      raise UserError(f"min_tokens {request.min_tokens} must be between 0 and max_tokens ({request.max_tokens})")
+    if request.min_tokens and len(request.stop_token_ids) >= MAX_ENDS:
+      raise UserError(f"min_tokens holds back at most {MAX_ENDS - 1} stop_token_ids; this request has "
+                      f"{len(request.stop_token_ids)}")
+    if any(not 0 <= i < vocab for i in request.stop_token_ids):
+      raise UserError(f"stop_token_ids must be token ids 0..{vocab - 1}")
 
   def submit(self, *requests: Request) -> Request:
     """Queues the requests together (any thread): they run on one checkpoint. UserError for a bad one, QueueFull
@@ -560,7 +681,7 @@ class Engine:
     for slot, request in list(self.active.items()):
       if request.cancelled:
         self._finish(slot, "cancelled")
-    plan = Plan()
+    plan = Plan(eos_id=self.gen.eos_id)
     if self.live is not None and self.swap_to is None:
       self.swap_to = self.live.newer()
     if self.swap_to is not None and not self.active:
@@ -680,13 +801,18 @@ class Engine:
     tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
     # Rows past the prompts: one padding token each (never written), the slot past the last (dropped), greedy.
     rows_R8 = np.tile(np.array([P - 1, self.slots, 0, 0, np.float32(1).view(np.int32), 0, -1, 0], np.int32), (R, 1))
-    for r, (slot, (ids, seed, temp, top_p, top_k, logprobs, echo)) in enumerate(prompts):
+    processed = any(p[1][7] is not None for p in prompts)
+    processing_RC = np.tile(NEUTRAL, (R, 1)) if processed else np.zeros((R, 0), np.int32)
+    for r, (slot, (ids, seed, temp, top_p, top_k, logprobs, echo, processing)) in enumerate(prompts):
       tokens_RP[r, P - len(ids):] = ids
       rows_R8[r] = (P - len(ids), slot, np.uint32(seed & 0xFFFFFFFF).view(np.int32),
                     np.float32(temp).view(np.int32), np.float32(top_p).view(np.int32), top_k, logprobs, echo)
+      if processing is not None:
+        processing_RC[r] = processing
     echo = bool(rows_R8[:, 7].any())
-    self.state, out = self._prefill(P, R, echo)(self.params, self.state, place(tokens_RP, self.batch_sharding),
-                                                place(rows_R8, self.replicated))
+    self.state, out = self._prefill(P, R, echo, processed)(
+        self.params, self.state, place(tokens_RP, self.batch_sharding), place(rows_R8, self.replicated),
+        place(processing_RC, self.replicated))
     if not self.leader:
       return {}
     wanted = ("token", "logprob", "top_id", "top_logprob") if (rows_R8[:, 6] >= 0).any() else ("token",)

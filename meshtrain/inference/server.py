@@ -71,13 +71,13 @@ class Asked:
   echo: bool              # completions: the prompt's text and logprobs first
   ignore_eos: bool
   stop_token_ids: tuple[int, ...]
+  processing: dict        # logit_bias, presence/frequency/repetition_penalty, min_tokens: engine.Request's fields
 
 
 # Fields that would change the result and that the engine does not apply: refused (400 naming the field) unless
 # they hold their neutral value, never ignored. Those that cannot change the tokens (`user`, `stream_options`
 # extras, `metadata`, ...) are ignored as OpenAI's own server ignores what it does not use.
-UNSUPPORTED = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-               "min_tokens": 0, "suffix": "", "prompt_logprobs": None, "response_format": None,
+UNSUPPORTED = {"suffix": "", "prompt_logprobs": None, "response_format": None,
                "guided_json": None, "guided_regex": None, "guided_choice": None, "min_p": 0,
                "length_penalty": 1, "use_beam_search": False, "logits_processors": None}
 
@@ -490,7 +490,26 @@ class Server:
                  number(body, "temperature", float, 1.0, 0.0), number(body, "top_p", float, 1.0, 0.0, 1.0),
                  max(top_k, 0), number(body, "seed", int, None, -2**63, 2**63 - 1 - MAX_N), tuple(s for s in stop if s),
                  n, bool(body.get("stream")), isinstance(options, dict) and bool(options.get("include_usage")),
-                 logprobs, bool(echo), bool(body.get("ignore_eos")), tuple(stop_ids))
+                 logprobs, bool(echo), bool(body.get("ignore_eos")), tuple(stop_ids), self.processing_of(body))
+
+  def processing_of(self, body: dict) -> dict:
+    """The request's logits processing (engine.Request's fields), checked: OpenAI's bounds where it has them."""
+    bias = body.get("logit_bias") or {}
+    vocab = self.engine.gen.model_cfg.vocab_size
+    try:
+      bias = {int(k): v for k, v in bias.items()} if isinstance(bias, dict) else None
+    except ValueError:
+      bias = None
+    if bias is None or len(bias) > engine_lib.MAX_BIAS or not all(
+        0 <= k < vocab and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+        for k, v in bias.items()):
+      raise ApiError(400, f"logit_bias must map at most {engine_lib.MAX_BIAS} token ids (0..{vocab - 1}, as "
+                          "strings) to biases between -100 and 100", param="logit_bias")
+    return {"logit_bias": {k: float(v) for k, v in bias.items()},
+            "presence_penalty": number(body, "presence_penalty", float, 0.0, -2.0, 2.0),
+            "frequency_penalty": number(body, "frequency_penalty", float, 0.0, -2.0, 2.0),
+            "repetition_penalty": number(body, "repetition_penalty", float, 1.0, 1e-6, 100.0),
+            "min_tokens": number(body, "min_tokens", int, 0, 0)}
 
   async def complete(self, http: HttpRequest, body: dict, chat: bool) -> Response:
     asked = self.asked(body, chat)
@@ -510,15 +529,17 @@ class Server:
                                    top_p=asked.top_p, top_k=asked.top_k,
                                    seed=None if asked.seed is None else asked.seed + j, stop=asked.stop,
                                    logprobs=asked.logprobs, echo=asked.echo, ignore_eos=asked.ignore_eos,
-                                   stop_token_ids=asked.stop_token_ids, on_update=on_update)
+                                   stop_token_ids=asked.stop_token_ids, on_update=on_update, **asked.processing)
                 for ids in asked.prompts for j in range(asked.n)]
     try:
       self.engine.submit(*requests)  # together: one checkpoint answers all the choices
     except (UserError, engine_lib.QueueFull) as e:
       if isinstance(e, engine_lib.QueueFull):
         raise busy(e) from None
+      named = [f for f in ("min_tokens", "stop_token_ids", "logit_bias", "max_tokens", "logprobs", "prompt")
+               if f in str(e)]
       raise ApiError(400, str(e).replace("shorten the prompt", "shorten the prompt or lower max_tokens"),
-                     param="prompt" if "prompt" in str(e) else None) from None
+                     param=named[0] if named else None) from None
     reply = Reply(self, chat, requests, asked.logprobs is not None)
     if asked.stream:
       return StreamingResponse(self.stream(reply, updates, asked.include_usage), media_type="text/event-stream")
