@@ -35,3 +35,15 @@ def local_datasets():
   from meshtrain.data import digits, sft, stdlib_corpus
   for module in (stdlib_corpus, sft, digits):
     module.build("")
+
+
+# The longest test files first: xdist's loadfile hands whole files to the workers in collection order, so a file of
+# one long training run collected last (tests/test_t2i_run.py, about 9 minutes) ran alone at the end of the suite
+# while the other worker idled. Longest first lets the other files fill the other worker meanwhile.
+LONGEST_FIRST = ("test_t2i_run.py", "test_slurm.py", "test_serve.py", "test_recovery.py", "test_multiprocess.py",
+                 "test_logprobs.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
