@@ -392,9 +392,8 @@ class HarnessHook(Periodic):
     self.lm = None  # made at the first evaluation, then given each evaluation's parameters (its programs stay)
 
   def run_at(self, step: int, run) -> None:
-    import lm_eval  # pylint: disable=g-import-not-at-top  (the eval extra: only runs with harness.tasks get here)
-
-    from meshtrain.inference import generator, harness  # pylint: disable=g-import-not-at-top  (imports lm_eval)
+    # lm_eval (the eval extra) through harness: only runs with harness.tasks get here
+    from meshtrain.inference import generator, harness  # pylint: disable=g-import-not-at-top
     run.beat(step, "lm-evaluation-harness tasks")
     h = run.cfg.harness
     if self.lm is None:
@@ -403,9 +402,8 @@ class HarnessHook(Periodic):
       self.lm = harness.MeshLM(gen, h.batch_size)
     else:
       self.lm.gen.params = self.lm.gen.place_params(run.params)
-    results = lm_eval.simple_evaluate(model=self.lm, tasks=self.names, task_manager=self.manager,
-                                      limit=h.limit or None, num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
-                                      bootstrap_iters=0, verbosity="WARNING")
+    results = harness.evaluate(self.lm, self.names, self.manager, h.limit or None,
+                               None if h.num_fewshot < 0 else h.num_fewshot, bootstrap_iters=0, verbosity="WARNING")
     record = harness_tasks.metrics(results)
     run.writer.write({"step": step, **record})
     run.writer.print(f"step {step}: " + ", ".join(f"{k.removeprefix('harness/')} {v:.4g}" for k, v in record.items()))

@@ -6,8 +6,6 @@ import json
 import pathlib
 import sys
 
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 import tqdm
 
@@ -110,15 +108,16 @@ class MetricsWriter:
                         ("loss.png", lambda: plot_losses(self.path, self.path.with_name("loss.png")))):
       try:
         close()
-      except OSError as e:
-        failed.append(f"{what} ({e.strerror or e})")
+      except (OSError, ImportError) as e:  # ImportError: no matplotlib (the GPU machines), no loss.png
+        failed.append(f"{what} ({getattr(e, 'strerror', None) or e})")
     if failed:
       print(f"note: could not finish writing {', '.join(failed)} in {self.path.parent}", file=sys.stderr)
 
 
 def plot_losses(metrics_path: pathlib.Path, png_path: pathlib.Path) -> None:
   """Train and eval loss against step, from metrics.jsonl (the whole history, across resumes)."""
-  matplotlib.use("Agg")  # no display on training machines
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  (absent on the GPU machines: no plot)
+  plt.switch_backend("Agg")  # no display on training machines
   records = [json.loads(line) for line in open(metrics_path) if line.strip()]
   train = [(r["step"], r["loss"]) for r in records if "loss" in r]
   evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]

@@ -22,7 +22,8 @@ PACKAGE = ROOT / "meshtrain"
 # light but absent from the GPU machine's package set (experiments/gpu_dryrun.sh): only runs that use them import them.
 HEAVY = {"tokenizers", "sentencepiece", "jax", "jaxlib", "flax", "optax", "orbax", "tensorflow", "tensorflow_datasets",
          "grain", "torch", "transformers", "sklearn", "matplotlib", "PIL", "tensorboardX", "array_record", "jinja2",
-         "scipy", "numpy", "pyarrow", "lm_eval"}
+         "scipy", "numpy", "pyarrow", "lm_eval",
+         "threadpoolctl"}  # scikit-learn's: absent where scikit-learn is (the GPU machines)
 COMMAND_MAX_LINES = 150
 ALIAS_MAX_LINES = 6
 LOCAL_IMPORTS_PER_1000_LINES = 3

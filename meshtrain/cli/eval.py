@@ -56,16 +56,15 @@ def parse_args(argv: list[str]):
 def main(argv: list[str]) -> int:
   args, cfg, workdir = parse_args(argv)
   manager = harness_tasks.load(args.tasks, args.include_path)
-  import lm_eval.utils  # pylint: disable=g-import-not-at-top  (after harness_tasks switched the Hub off)
-
-  from meshtrain.inference import generator, harness  # JAX: once the arguments and tasks are checked
+  # JAX and the harness: once the arguments and tasks are checked (and the Hub switched off)
+  from meshtrain.inference import generator, harness  # pylint: disable=g-import-not-at-top
   startup.start(cfg)
   gen = generator.Generator.from_config(cfg, workdir, args.step, max_len=args.max_len, dtype=args.dtype)
-  results = lm_eval.simple_evaluate(model=harness.MeshLM(gen, args.batch_size), tasks=args.tasks,
-                                    task_manager=manager, limit=args.limit, num_fewshot=args.num_fewshot)
+  results = harness.evaluate(harness.MeshLM(gen, args.batch_size), args.tasks, manager, args.limit,
+                             args.num_fewshot)
   if startup.is_main():
     if args.json:
       print(json.dumps(results["results"], default=str))
     else:
-      print(lm_eval.utils.make_table(results))
+      print(harness.table(results))
   return 0

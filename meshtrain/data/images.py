@@ -20,7 +20,7 @@ as array_record under data.data_dir (meshtrain never downloads). Records are rea
 import numpy as np
 
 from meshtrain import config
-from meshtrain.data import captioned, digits, shapes, sources, tfds_access
+from meshtrain.data import digits, sources, tfds_access
 from meshtrain.errors import UserError
 
 # A split whose pixels take at most this many bytes is decoded once, when its source is made, and then served from
@@ -247,6 +247,7 @@ def make_captioned_source(cfg, split: str, shuffle: bool) -> ImageSource:
   expected = (model.image_size, model.image_size, model.channels)
   if data.name == sources.SYNTHETIC:
     return SyntheticImageSource(cfg.seed, split, expected, 1, text_len=model.text_len)
+  from meshtrain.data import captioned, shapes  # pylint: disable=g-import-not-at-top  (Pillow: not on GPU machines)
   if config.is_path(data.name):
     ds, keys = captioned.open_split(cfg, split), (captioned.IMAGE, captioned.TEXT)
   else:

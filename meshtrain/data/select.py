@@ -9,7 +9,7 @@ import re
 import time
 
 from meshtrain import config as config_lib
-from meshtrain.data import images, mixture, packing, sft, sources, tfds_access, tokenization as tokenizer
+from meshtrain.data import images, mixture, packing, sources, tfds_access, tokenization as tokenizer
 from meshtrain.errors import UserError
 
 
@@ -81,7 +81,7 @@ def _one_source(cfg, name: str, split: str, shuffle: bool, tok) -> sources.Sourc
   tok = tok or tokenizer_for_config(cfg)
   check_vocab(cfg, tok)
   if data.format in ("prompt_completion", "chat"):  # one example per row: meshtrain/data/sft.py
-    # sft imports tensorflow_datasets: loaded only for prompt/completion and chat data.
+    from meshtrain.data import sft  # pylint: disable=g-import-not-at-top  (tensorflow_datasets: not on GPU machines)
     return sft.make_source(cfg, name, split, shuffle, tok)
   ds = packing.open_split(cfg, split, name)
   return packing.TfdsSource(ds, name=name, split=split, text_key=data.text_key, seq_len=cfg.seq_len, seed=cfg.seed,

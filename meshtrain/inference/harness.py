@@ -17,14 +17,27 @@ loss is (minus the training loss on the continuation's tokens).
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import lm_eval
 import numpy as np
-from lm_eval import utils as lm_eval_utils
 from jax.sharding import NamedSharding, PartitionSpec
+from lm_eval import utils as lm_eval_utils
 from lm_eval.api.model import TemplateLM
 
 from meshtrain import sharding
 from meshtrain.inference.generator import place
 from meshtrain.inference.sampling import Sampling, bucket
+
+
+def evaluate(lm, names: list[str], manager, limit: int | None = None, num_fewshot: int | None = None,
+             **kwargs) -> dict:
+  """The harness's simple_evaluate of tasks `names` (loaded by harness_tasks.load) on `lm`."""
+  return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                                 **kwargs)
+
+
+def table(results: dict) -> str:
+  """The harness's own results table."""
+  return lm_eval_utils.make_table(results)
 
 
 class MeshLM(TemplateLM):

@@ -21,7 +21,6 @@ for it once per process.
 import functools
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from meshtrain.data import digits
 
@@ -38,14 +37,15 @@ class Judge:
   image_shape = digits.IMAGE_SHAPE
 
   def __init__(self):
-    from sklearn.neural_network import MLPClassifier  # pylint: disable=g-import-not-at-top
+    import sklearn.neural_network, threadpoolctl  # noqa: E401  (scikit-learn and its thread pools: on first use)
     train_images, train_labels = digits.load_split("train")
     test_images, self.test_labels = digits.load_split("test")
     self.test_images01 = test_images.astype(np.float64) / 255
     # One BLAS thread: on a small shared host the default thread pool oversubscribes the cores and the same fit
     # took 40 s instead of 1 s (measured on the 2-core machine while other jobs ran).
-    with threadpool_limits(1):
-      self.classifier = MLPClassifier((HIDDEN,), alpha=ALPHA, solver="lbfgs", max_iter=500, random_state=SEED)
+    with threadpoolctl.threadpool_limits(1):
+      self.classifier = sklearn.neural_network.MLPClassifier((HIDDEN,), alpha=ALPHA, solver="lbfgs", max_iter=500,
+                                                             random_state=SEED)
       self.classifier.fit(self._pixels(train_images.astype(np.float64) / 255), train_labels)
     self.test_features = self.features(self.test_images01)
 

@@ -16,7 +16,6 @@ import functools
 
 import numpy as np
 from PIL import Image
-from threadpoolctl import threadpool_limits
 
 from meshtrain.data import shapes
 
@@ -44,15 +43,15 @@ class Judge:
   """The shape classifier (fitted on construction) and the palette."""
 
   def __init__(self):
-    from sklearn.linear_model import LogisticRegression  # pylint: disable=g-import-not-at-top
+    import sklearn.linear_model, threadpoolctl  # noqa: E401  (scikit-learn and its thread pools: on first use)
     rng = np.random.default_rng(0)
     pictures, labels = [], []
     for color, shape in shapes.PAIRS:
       for _ in range(CALIBRATION):
         pictures.append(shapes.draw(color, shape, rng))
         labels.append(shapes.SHAPES.index(shape))
-    with threadpool_limits(1):  # one BLAS thread: the default pool oversubscribes a small shared host
-      self.classifier = LogisticRegression(C=10.0, max_iter=2000)
+    with threadpoolctl.threadpool_limits(1):  # one BLAS thread: the default pool oversubscribes a small host
+      self.classifier = sklearn.linear_model.LogisticRegression(C=10.0, max_iter=2000)
       self.classifier.fit(np.stack([mask_features(foreground(p)) for p in pictures]), labels)
     self.palette_names = tuple(shapes.COLORS)
     self.palette = np.array([shapes.COLORS[c] for c in self.palette_names], np.float64)
