@@ -37,11 +37,18 @@ def local_datasets():
     module.build("")
 
 
-# The longest test files first: xdist's loadfile hands whole files to the workers in collection order, so a file of
-# one long training run collected last (tests/test_t2i_run.py, about 9 minutes) ran alone at the end of the suite
-# while the other worker idled. Longest first lets the other files fill the other worker meanwhile.
+# The longest test files first: xdist's loadfile hands whole files to the workers in order (with the reorder off,
+# below), so a file of one long training run handed out last (tests/test_t2i_run.py, about 9 minutes) ran alone at
+# the end of the suite while the other worker idled. Longest first lets the other files fill the other worker.
 LONGEST_FIRST = ("test_t2i_run.py", "test_slurm.py", "test_serve.py", "test_recovery.py", "test_multiprocess.py",
                  "test_logprobs.py")
+
+
+def pytest_configure(config):
+  # xdist sorts the files by their number of tests before handing them out (its loadscope reorder), which put
+  # tests/test_t2i_run.py (two tests) last again; keep the collection order instead.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
