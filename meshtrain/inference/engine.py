@@ -62,7 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain import sharding
 from meshtrain.errors import UserError
-from meshtrain.inference.generator import place
+from meshtrain.inference.generator import drawable, place
 from meshtrain.inference.sampling import Sampling, bucket
 from meshtrain.models.llama import init_cache
 from meshtrain.runtime import startup
@@ -177,8 +177,7 @@ def sample_rows(logits_BV, keys_B, temp_B, top_p_B, top_k_B, num_ids: int):
   softmax(logits / temperature) cut to the top_k most likely ids (0: all) and to the smallest set whose probability
   reaches top_p, as generator.sample does for one setting."""
   V = logits_BV.shape[-1]
-  if num_ids < V:
-    logits_BV = jnp.where(jnp.arange(V) < num_ids, logits_BV, -jnp.inf)
+  logits_BV = drawable(logits_BV, num_ids)
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
   def cut(x_BV):
@@ -210,13 +209,11 @@ def logprobs_rows(logits_BV, token_B, want_B, num_ids: int):
   over the whole vocabulary as the training loss is, so that a text's logprobs sum to minus its loss; the
   alternatives are ids the sampler can draw, so a greedy token's logprob is the top one. Computed only when some
   row asks (`want_B`): zeros otherwise."""
-  V = logits_BV.shape[-1]
   A = min(TOP_LOGPROBS, num_ids)
 
   def compute(_):
     lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
-    top_lp_BA, top_id_BA = jax.lax.top_k(jnp.where(jnp.arange(V) < num_ids, lp_BV, -jnp.inf) if num_ids < V
-                                         else lp_BV, A)
+    top_lp_BA, top_id_BA = jax.lax.top_k(drawable(lp_BV, num_ids), A)
     return jnp.take_along_axis(lp_BV, token_B[:, None], axis=-1)[:, 0], top_id_BA.astype(jnp.int32), top_lp_BA
 
   B = logits_BV.shape[0]

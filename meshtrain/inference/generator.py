@@ -41,10 +41,16 @@ from meshtrain.runtime import startup
 # costs nothing measurable in a step that streams every weight anyway. Prefill keeps its own rows (its work grows
 # with them); its state is padded at its end.
 DECODE_MIN_ROWS = 2
+def drawable(x_XV, num_ids: int | None):
+  """x (logits or logprobs over the vocabulary, last axis) with the ids >= num_ids at -inf: the ids a sampler may
+  draw (a vocabulary padded past its tokenizer's has ids that stand for nothing). Unchanged when num_ids is None."""
+  V = x_XV.shape[-1]
+  return x_XV if num_ids is None or num_ids >= V else jnp.where(jnp.arange(V) < num_ids, x_XV, -jnp.inf)
+
+
 def sample(logits_BV, key, sampling: Sampling, num_ids: int | None = None):
   """Next token id per row, [B] int32, among ids < num_ids (all when None)."""
-  if num_ids is not None and num_ids < logits_BV.shape[-1]:
-    logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < num_ids, logits_BV, -jnp.inf)
+  logits_BV = drawable(logits_BV, num_ids)
   if sampling.temperature == 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   logits_BV = logits_BV / sampling.temperature

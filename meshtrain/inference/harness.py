@@ -24,7 +24,7 @@ from lm_eval import utils as lm_eval_utils
 from lm_eval.api.model import TemplateLM
 
 from meshtrain import sharding
-from meshtrain.inference.generator import place
+from meshtrain.inference.generator import drawable, place
 from meshtrain.inference.sampling import Sampling, bucket
 
 
@@ -81,9 +81,7 @@ class MeshLM(TemplateLM):
         logits_BLV = g.model.apply({"params": params}, tokens_BL)
         lp_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1)
         chosen_BL = jnp.take_along_axis(lp_BLV, targets_BL[..., None], axis=-1)[..., 0]
-        V = lp_BLV.shape[-1]
-        drawable_BLV = jnp.where(jnp.arange(V) < g.num_ids, lp_BLV, -jnp.inf) if g.num_ids < V else lp_BLV
-        return chosen_BL, chosen_BL == drawable_BLV.max(-1)
+        return chosen_BL, chosen_BL == drawable(lp_BLV, g.num_ids).max(-1)
 
       rows = jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=self.rows_sharding)
       params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), g.params)
