@@ -102,15 +102,18 @@ def blocked_causal_attention(q_BLHE, k_BSKE, v_BSKE, blocks: int, window: int = 
   else:
     k_BSHE, v_BSHE = k_BSKE, v_BSKE
   q_BLHE = q_BLHE * jnp.asarray(1 / np.sqrt(E), q_BLHE.dtype)  # on q: L*E multiplies per head, not L*S
-  diagonal_CC = np.tril(np.ones((C, C), bool))
   outs = []
   for i in range(blocks):
     q_BCHE = q_BLHE[:, i * C:(i + 1) * C]
     k_BSHE_i, v_BSHE_i = k_BSHE[:, :(i + 1) * C], v_BSHE[:, :(i + 1) * C]
     s_BHCS = jnp.einsum("BCHE,BSHE->BHCS", q_BCHE, k_BSHE_i, preferred_element_type=jnp.float32)
-    visible_CS = np.concatenate([np.ones((C, i * C), bool), diagonal_CC], axis=1)
+    # The mask from iotas, computed where it is used: a numpy mask over 1 KiB would be a constant that JAX 0.12
+    # hoists into an argument, copied to every device at every call.
+    q_CS = i * C + jax.lax.broadcasted_iota(jnp.int32, (C, (i + 1) * C), 0)
+    k_CS = jax.lax.broadcasted_iota(jnp.int32, (C, (i + 1) * C), 1)
+    visible_CS = k_CS <= q_CS
     if window:  # query i * C + c sees keys from i * C + c - window + 1 on
-      visible_CS &= np.arange((i + 1) * C)[None, :] > np.arange(i * C, (i + 1) * C)[:, None] - window
+      visible_CS &= k_CS > q_CS - window
     p_BHCS = jax.nn.softmax(jnp.where(visible_CS, s_BHCS, -jnp.inf), axis=-1)
     outs.append(jnp.einsum("BHCS,BSHE->BCHE", p_BHCS.astype(v_BSHE.dtype), v_BSHE_i))
   return jnp.concatenate(outs, axis=1)
