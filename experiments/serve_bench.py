@@ -47,7 +47,7 @@ def make_prompts(count: int) -> list[list[int]]:
 
 def start_server(workdir: str, slots: int, max_len: int | None = None, dtype: str | None = None):
   proc = subprocess.Popen([sys.executable, "-m", "meshtrain.serve", "--workdir", workdir, "--port", "0", "--slots",
-                           str(slots), "--max-queue", "1024", "--warm",
+                           str(slots), "--max-queue", "1024",
                            *(["--max-len", str(max_len)] if max_len else []),
                            *([f"--config.model.dtype={dtype}"] if dtype else [])], stderr=subprocess.PIPE, text=True)
   for line in proc.stderr:

@@ -148,7 +148,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(workdir):
   # A served name, as vLLM's: the one name in /v1/models and every response, whatever the step.
-  proc, url = start_server(workdir, "--slots", "4", "--served-model-name", "org/scorer")
+  proc, url = start_server(workdir, "--slots", "4", "--served-model-name", "org/scorer", "--lazy")
   yield proc, url
   proc.kill()
   proc.wait()

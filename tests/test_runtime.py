@@ -3,6 +3,7 @@ import pathlib
 import subprocess
 import sys
 
+import jaxlib.version
 import pytest
 import yaml
 
@@ -205,8 +206,9 @@ def test_cluster_examples_are_well_formed():
   assert pod["containers"][0]["command"][:3] == ["python", "-m", "meshtrain.train"]
 
 
-# XLA's CPU runtime aborts on this program when it comes from the persistent compilation cache (jax 0.10.2): ring
-# and all-gather attention over 4 sequence shards, outputs and gradients (tests/test_context_attention.py).
+# Ring and all-gather attention over 4 sequence shards, outputs and gradients (tests/test_context_attention.py):
+# XLA's CPU runtime aborts on this program when it comes from the persistent compilation cache before jaxlib
+# startup.CPU_CACHE_SINCE. Prints its outputs' sum and the cache's hits.
 RING_FROM_CACHE = """
 import sys
 from meshtrain import config
@@ -216,18 +218,25 @@ cfg.compilation_cache_dir = sys.argv[1]
 startup.start(cfg)
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # cache it however fast it compiles (if on)
+hits = []
+jax.monitoring.register_event_listener(lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None)
 sys.path.insert(0, "tests")
 import test_context_attention as t
 inputs, perm = t.inputs.__wrapped__(), t._order("contiguous", 4)
 out = t._compiled(4, True)(*inputs, jnp.asarray(perm, jnp.int32), jnp.asarray(np.argsort(perm, axis=1), jnp.int32))
-print(jax.tree.reduce(lambda a, b: a + float(jnp.abs(b).sum()), out, 0.0))
+print(jax.tree.reduce(lambda a, b: a + float(jnp.abs(b).sum()), out, 0.0), len(hits))
 """
 
 
-def test_cpu_programs_never_come_from_the_persistent_cache(tmp_path):
-  """runtime.start leaves the persistent cache off on the CPU: the second run of a ring program would abort."""
+def test_cpu_programs_come_from_the_persistent_cache_where_they_run(tmp_path):
+  """A restart loads the ring program from the cache and computes the same numbers where the CPU runtime runs such
+  programs (jaxlib >= startup.CPU_CACHE_SINCE); before that the cache stays off, and the second run compiles."""
   import xla_fast
-  runs = [subprocess.run([sys.executable, "-c", RING_FROM_CACHE, str(tmp_path / "cache")], capture_output=True,
+  cache = tmp_path / "cache"
+  runs = [subprocess.run([sys.executable, "-c", RING_FROM_CACHE, str(cache)], capture_output=True,
                          text=True, env=xla_fast.env(), cwd=ROOT, timeout=300) for _ in range(2)]
   assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
-  assert runs[0].stdout == runs[1].stdout
+  (first, first_hits), (second, second_hits) = (r.stdout.split() for r in runs)
+  assert first == second and first_hits == "0"
+  on = jaxlib.version.__version_info__ >= startup.CPU_CACHE_SINCE
+  assert (int(second_hits) > 0) == on and (cache.exists() and any(cache.iterdir())) == on

@@ -1,11 +1,13 @@
 """Serve a trained (or converted) language model over an OpenAI-compatible HTTP API, with continuous batching.
 
   python -m meshtrain.serve --workdir W [--step N | --follow-s 10] [--port 8000] [--host 127.0.0.1] [--slots 8]
-      [--max-queue 64] [--api-key KEY] [--served-model-name NAME] [--grace-s 30] [--max-len N] [--warm]
+      [--max-queue 64] [--api-key KEY] [--served-model-name NAME] [--grace-s 30] [--max-len N] [--lazy]
       [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N --config.model.dtype=float32]
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),
-POST /tokenize and /detokenize, GET /tokenizer_info, GET /health, GET /metrics. The engine
+POST /tokenize and /detokenize, GET /tokenizer_info, GET /health, GET /metrics. Every program a request can need
+is compiled before it prints "serving" (meanwhile it listens, and /health answers 503 `warming`); --lazy compiles
+each on first use instead. The engine
 (meshtrain/inference/engine.py) decodes `--slots` requests at once on the mesh the --config.mesh.* sizes give (as
 generate; one device on the CPU unless --config.cpu_devices says more); the HTTP layer is
 meshtrain/inference/server.py. Without --step it serves the newest checkpoint and, while the run trains, swaps in
@@ -42,8 +44,9 @@ def parse_args(argv: list[str]):
   parser.add_argument("--grace-s", type=float, default=30.0, help="how long SIGTERM waits for requests in flight")
   parser.add_argument("--max-len", type=int, default=None,
                       help="longest prompt + completion in tokens (default: the run's seq_len, its trained context)")
-  parser.add_argument("--warm", action="store_true",
-                      help="compile and run every program (each prompt bucket's prefill, each decode span) first")
+  parser.add_argument("--lazy", action="store_true",
+                      help="serve at once and compile each program when a request first needs it (for development; "
+                           "by default every program is compiled before serving)")
   args, overrides = parser.parse_known_args(argv)
   if not 0 <= args.port <= 65535:
     raise UserError(f"--port {args.port} must be between 0 and 65535")

@@ -6,8 +6,8 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
   same logical rules as training (`cache_batch` over the batch axes, `cache_kv_heads` over `tensor`), donated to
   every call;
 - `prefill`: the prompts admitted in one step whose lengths share a bucket (sampling.bucket), each left-padded to
-  it exactly as Generator.generate pads it, as the rows of one call (rows a power of two: one compiled
-  program per bucket and row count, compiled on first use or by `warm()`), run through the model into a cache of P
+  it exactly as Generator.generate pads it, as the rows of one call (`prefill_rows`: one compiled program per
+  bucket and row count, compiled by `warm()` before serving or on first use), run through the model into a cache of P
   slots, their first tokens sampled, and each row's cache inserted into its free slot row: slots [0, P) of the row,
   its own first slot (start) and next slot (end); between decode steps;
 - `decode`: one compiled step for all slots: each slot feeds its last token at its own next slot (KVCache.end is
@@ -85,6 +85,9 @@ ATTEND_MIN = 64
 # them. Not finer: each count multiplies the decode programs compiled (steps x spans x rows), and one row costs
 # about what two do.
 ROW_DIVISORS = (4, 2, 1)
+# A prefill's row counts (Engine.prefill_rows): one prompt, and the slots divided by powers of this, so that a call
+# computes at most this many times the rows it fills, with few programs to compile (1, 2 and 8 rows for 8 slots).
+PREFILL_ROW_RATIO = 4
 # The most alternatives a token's logprobs list (OpenAI's bound on `logprobs` / `top_logprobs`): a step computes
 # this many for every row when any row asks for some (one top_k program, not one per count), and each row keeps
 # the number it asked for.
@@ -353,7 +356,7 @@ class Engine:
   """
 
   def __init__(self, generator, slots: int = 8, max_queue: int = 64, chunk: int = DECODE_CHUNK,
-               step: int | None = None, live=None):
+               step: int | None = None, live=None, warm_first: bool = False):
     if generator.max_len is None:
       raise UserError("serving needs a context length (the Generator's max_len)")
     self.gen = generator
@@ -380,19 +383,29 @@ class Engine:
     # slots split over devices (batch_ways > 1): the first rows would sit on some devices, the others idle.
     ways = generator.batch_ways
     self.row_counts = sorted({-(-self.slots // d) for d in ROW_DIVISORS}) if ways == 1 else [self.slots]
+    # A prefill's rows (`_rows`): one prompt, and the slots over powers of PREFILL_ROW_RATIO, in whole rows on
+    # every batch shard. Prompts that ask for their own logprobs (echo: every column's logits, scoring) take the
+    # most rows: one program per bucket for them.
+    whole = lambda n: -(-n // ways) * ways
+    self.prefill_rows = sorted({whole(1)} | {whole(-(-self.slots // PREFILL_ROW_RATIO ** k))
+                                             for k in range(self.slots.bit_length())})
+    self.echo_rows = self.prefill_rows[-1]
     self.max_queue = max_queue
     self.queue: collections.deque[Request] = collections.deque()
     self.active: dict[int, Request] = {}  # slot -> its request
     self.lock = threading.Condition()
     self.stop_len = 0
     self.chunk = max(1, chunk)
-    self.prefills = {}  # bucket -> compiled prefill-and-insert
+    self.prefills = {}  # (bucket, rows, echo) -> compiled prefill-and-insert
     self.steps = 0
     # Process 0: the last decode call, its tokens still on the device, read on the next step: after that step's
     # decode call is dispatched when it can be (`_ahead`), else first.
     self.pending: DecodeCall | None = None
     self.step_s: float | None = None  # process 0: a decode step's time, measured as calls are read (moving average)
     self.read_at = 0.0  # process 0: when the last call's tokens were read
+    # Before the first request (`run`, `follow`), `warm()` compiles every program one can need, when `warm_first`:
+    # `ready` says whether that is done, `warmed` of `programs()` how far it is.
+    self.ready, self.warmed = not warm_first, 0
     self._build()
 
   # --- compiled programs ---
@@ -466,21 +479,20 @@ class Engine:
   def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
-  def _prefill(self, P: int, R: int, echo: bool = False, processed: bool = False):
-    """The compiled prefill-and-insert of R prompts padded to P tokens, with the prompts' own logprobs when `echo`,
-    and the rows' logits processing settings when `processed` (compiled on first use; with several processes, all
-    of them compile it in the same step, then wait for each other before its first run)."""
-    if (P, R, echo, processed) not in self.prefills:
-      self.prefills[P, R, echo, processed] = self._compile_prefill(P, R, echo, processed)
+  def _prefill(self, P: int, R: int, echo: bool = False):
+    """The compiled prefill-and-insert of R prompts padded to P tokens, with the prompts' own logprobs when `echo`
+    (compiled by `warm` or on first use; with several processes, all of them compile it in the same step, then wait
+    for each other before its first run)."""
+    if (P, R, echo) not in self.prefills:
+      self.prefills[P, R, echo] = self._compile_prefill(P, R, echo)
       startup.barrier("serving's first run of a compiled prefill", self.gen.barrier_timeout_s)
-    return self.prefills[P, R, echo, processed]
+    return self.prefills[P, R, echo]
 
   def _rows(self, count: int) -> int:
-    """Rows of a prefill of `count` prompts: a power of two (few programs), whole rows on every batch shard."""
-    ways = self.gen.batch_ways
-    return -(-(1 << (max(count, ways) - 1).bit_length()) // ways) * ways
+    """Rows of a prefill of `count` prompts: the fewest of `prefill_rows` that hold them."""
+    return next(n for n in self.prefill_rows if n >= count)
 
-  def _compile_prefill(self, P: int, R: int, echo: bool, processed: bool):
+  def _compile_prefill(self, P: int, R: int, echo: bool):
     g, c = self.gen, self.gen.model_cfg
 
     def prefill(params, state, tokens_RP, rows_R8, processing_RC):
@@ -493,21 +505,22 @@ class Engine:
       logits_RLV, pre = g.model.apply({"params": params}, tokens_RP, cache=init_cache(c, R, P, start_R),
                                       every_column=echo)
       keys_R = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_R), jnp.zeros(R, jnp.int32))
-      rows = neutral_processing(R, c.vocab_size)  # every slot taken starts from its own request's settings
-      if processed:
-        penalties_R3, min_R, ends_RE, bias_ids_RK, bias_R = unpack_processing(processing_RC)
-        prompt_RP = jnp.where(jnp.arange(P) >= start_R[:, None], tokens_RP, -1)
-        rows.update(penalties_B3=penalties_R3, min_B=min_R, ends_BE=ends_RE,
-                    bias_BV=dense_rows(bias_ids_RK, bias_R, c.vocab_size),
-                    prompt_BV=dense_rows(prompt_RP, jnp.ones(prompt_RP.shape, bool), c.vocab_size, False),
-                    processed_B=(penalties_R3[:, 0] != 0) | (penalties_R3[:, 1] != 0) | (penalties_R3[:, 2] != 1)
-                    | (bias_ids_RK >= 0).any(-1) | (min_R > 0))
-        drawn_RV = processed_logits(logits_RLV[:, -1], rows, jnp.zeros(R, jnp.int32))
-      else:
-        drawn_RV = logits_RLV[:, -1]
+      # Every slot taken starts from its own request's settings; rows that change no logit (NEUTRAL: most
+      # requests) skip the processing, as decode's steps do: one program serves both.
+      rows = neutral_processing(R, c.vocab_size)
+      penalties_R3, min_R, ends_RE, bias_ids_RK, bias_R = unpack_processing(processing_RC)
+      prompt_RP = jnp.where(jnp.arange(P) >= start_R[:, None], tokens_RP, -1)
+      rows.update(penalties_B3=penalties_R3, min_B=min_R, ends_BE=ends_RE,
+                  bias_BV=dense_rows(bias_ids_RK, bias_R, c.vocab_size),
+                  prompt_BV=dense_rows(prompt_RP, jnp.ones(prompt_RP.shape, bool), c.vocab_size, False),
+                  processed_B=(penalties_R3[:, 0] != 0) | (penalties_R3[:, 1] != 0) | (penalties_R3[:, 2] != 1)
+                  | (bias_ids_RK >= 0).any(-1) | (min_R > 0))
+      any_processed = jnp.any(rows["processed_B"])
+      drawn_RV = jax.lax.cond(any_processed, lambda: processed_logits(logits_RLV[:, -1], rows, jnp.zeros(R, jnp.int32)),
+                              lambda: logits_RLV[:, -1])
       token_R = sample_rows(drawn_RV, keys_R, temp_R, top_p_R, top_k_R, g.num_ids)
-      if processed:
-        rows["counts_BV"] = rows["counts_BV"].at[jnp.arange(R), token_R].add(1)
+      rows["counts_BV"] = jax.lax.cond(any_processed, lambda c: c.at[jnp.arange(R), token_R].add(1), lambda c: c,
+                                       rows["counts_BV"])
       out = dict(zip(("token", "logprob", "top_id", "top_logprob"),
                      (token_R, *logprobs_rows(logits_RLV[:, -1], token_R, logprobs_R >= 0, g.num_ids))))
       if echo:  # column j's logits score the prompt's token j + 1: [R, P - 1] and [R, P - 1, A]
@@ -531,26 +544,36 @@ class Engine:
     args = (self._abstract(g.params), self._abstract(self.state),
             jax.ShapeDtypeStruct((R, P), jnp.int32, sharding=self.batch_sharding),
             jax.ShapeDtypeStruct((R, 8), jnp.int32, sharding=self.replicated),
-            jax.ShapeDtypeStruct((R, PROCESSING) if processed else (R, 0), jnp.int32, sharding=self.replicated))
+            jax.ShapeDtypeStruct((R, PROCESSING), jnp.int32, sharding=self.replicated))
     with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
       return jax.jit(prefill, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
           *args).compile()
 
+  def programs(self, longest: int | None = None) -> list[tuple]:
+    """Every program a request of up to `longest` prompt tokens (default: the context) can need: ("prefill", P,
+    rows, echo) for each bucket, and ("decode", steps, attend, rows) for each call length, span and row count."""
+    buckets = sorted({bucket(n) for n in range(1, min(longest or self.max_len - 1, self.max_len - 1) + 1)})
+    prefills = [("prefill", P, R, False) for P in buckets for R in self.prefill_rows]
+    prefills += [("prefill", P, self.echo_rows, True) for P in buckets]
+    decodes = [("decode", k, attend, rows) for k in sorted({1, self.chunk}) for attend in self.attends
+               for rows in self.row_counts]
+    return prefills + decodes
+
   def warm(self, longest: int | None = None) -> None:
-    """Compiles the prefills of every bucket up to `longest` prompt tokens (default: the context), for every count
-    of prompts admitted at once, now, and runs each program once (every process, before any request): a program's
-    first run costs more than the next (its buffers are allocated; 4-12 ms more for the tiny model's), which would
-    land in the first requests' latency. The runs change no slot a request could hold: no slot holds one yet, and
-    the prefills' rows are all past the slots (dropped)."""
-    counts = sorted({self._rows(n) for n in range(1, self.slots + 1)})
-    for P in sorted({bucket(n) for n in range(1, min(longest or self.max_len - 1, self.max_len - 1) + 1)}):
-      for R in counts:
-        self._prefill_rows(P, [], R)
-    for k in sorted({1, self.chunk}):
-      for attend in self.attends:
-        for rows in self.row_counts:
-          self.state, out_KR = self._decode(k, attend, rows)(self.params, self.state)
-          np.asarray(out_KR["token"])
+    """Compiles every program of `programs(longest)` and runs each once (every process, in the same order, before
+    any request), counting them in `warmed`: a program's first run costs more than the next (its buffers are
+    allocated; 4-12 ms more for the tiny model's), which would land in the first requests' latency. The runs change
+    no slot a request could hold: no slot holds one yet, and the prefills' rows are all past the slots (dropped)."""
+    self.warmed = 0
+    for kind, *key in self.programs(longest):
+      if kind == "prefill":
+        P, R, echo = key
+        self._prefill_rows(P, [], echo, R)
+      else:
+        self.state, out_KR = self._decode(*key)(self.params, self.state)
+        np.asarray(out_KR["token"])
+      self.warmed += 1
+    self.ready = True
 
   # --- requests ---
 
@@ -637,7 +660,10 @@ class Engine:
     return self._run(plan)
 
   def run(self, stop: threading.Event, idle_wait_s: float = IDLE_S) -> None:
-    """Steps until `stop` is set; waits for a request while there is nothing to do (process 0)."""
+    """Steps until `stop` is set; waits for a request while there is nothing to do (process 0). Warms first unless
+    `ready`."""
+    if not self.ready:
+      self.warm()
     while not stop.is_set():
       if not self.step():
         with self.lock:
@@ -650,7 +676,10 @@ class Engine:
       self._agree(Plan(stop=True).encode())  # the other processes' follow() returns
 
   def follow(self) -> None:
-    """The other processes' loop: run process 0's plans until it sends the last one."""
+    """The other processes' loop: run process 0's plans until it sends the last one (warmed first unless `ready`,
+    as process 0's `run`: the programs' first runs, with their collectives, in the same order)."""
+    if not self.ready:
+      self.warm()
     while True:
       plan = self._agree(None)
       if Plan.parse(plan).stop:
@@ -761,11 +790,11 @@ class Engine:
         if self.leader:
           print(f"serving step {plan.swap} of {self.live.workdir} (nothing compiled again)", file=sys.stderr,
                 flush=True)
-    buckets = collections.defaultdict(list)  # one prefill call for the prompts of each bucket
+    buckets = collections.defaultdict(list)  # one prefill call for the prompts of each bucket, echoed or not
     for slot, prompt in plan.prompts:
-      buckets[bucket(len(prompt[0]))].append((slot, prompt))
-    for P, prompts in buckets.items():
-      out = self._prefill_rows(P, prompts)
+      buckets[bucket(len(prompt[0])), prompt[6]].append((slot, prompt))
+    for (P, echo), prompts in buckets.items():
+      out = self._prefill_rows(P, prompts, echo)
       if self.leader:
         for r, (slot, (ids, *_)) in enumerate(prompts):
           request = self.active[slot]
@@ -790,24 +819,22 @@ class Engine:
           self._read(earlier)
     return bool(plan.swap is not None or plan.prompts or plan.decode)
 
-  def _prefill_rows(self, P: int, prompts: list, R: int | None = None) -> dict:
-    """Prefills the prompts of bucket P into their slots in one call of R rows (default: the fewest for them; every
-    process); their first tokens and, for rows that asked, logprobs (`prefill`'s out, as numpy, process 0 only;
-    the logprobs read only when some row asked for them)."""
-    R = R or self._rows(len(prompts))
+  def _prefill_rows(self, P: int, prompts: list, echo: bool = False, R: int | None = None) -> dict:
+    """Prefills the prompts of bucket P into their slots in one call of R rows (every process; default: the fewest
+    for them, or `echo_rows` with the prompts' own logprobs when `echo`). Their first tokens and, for rows that
+    asked, logprobs (`prefill`'s out, as numpy, process 0 only; the logprobs read only when some row asked)."""
+    R = R or (self.echo_rows if echo else self._rows(len(prompts)))
     tokens_RP = np.full((R, P), self.gen.pad_id, np.int32)
     # Rows past the prompts: one padding token each (never written), the slot past the last (dropped), greedy.
     rows_R8 = np.tile(np.array([P - 1, self.slots, 0, 0, np.float32(1).view(np.int32), 0, -1, 0], np.int32), (R, 1))
-    processed = any(p[1][7] is not None for p in prompts)
-    processing_RC = np.tile(NEUTRAL, (R, 1)) if processed else np.zeros((R, 0), np.int32)
-    for r, (slot, (ids, seed, temp, top_p, top_k, logprobs, echo, processing)) in enumerate(prompts):
+    processing_RC = np.tile(NEUTRAL, (R, 1))
+    for r, (slot, (ids, seed, temp, top_p, top_k, logprobs, _, processing)) in enumerate(prompts):
       tokens_RP[r, P - len(ids):] = ids
       rows_R8[r] = (P - len(ids), slot, np.uint32(seed & 0xFFFFFFFF).view(np.int32),
                     np.float32(temp).view(np.int32), np.float32(top_p).view(np.int32), top_k, logprobs, echo)
       if processing is not None:
         processing_RC[r] = processing
-    echo = bool(rows_R8[:, 7].any())
-    self.state, out = self._prefill(P, R, echo, processed)(
+    self.state, out = self._prefill(P, R, echo)(
         self.params, self.state, place(tokens_RP, self.batch_sharding), place(rows_R8, self.replicated),
         place(processing_RC, self.replicated))
     if not self.leader:

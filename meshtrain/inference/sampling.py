@@ -15,7 +15,7 @@ def bucket(tokens: int) -> int:
   """The padded length of a prompt of `tokens` tokens: the next multiple of PROMPT_BUCKET up to 128, past that of an
   eighth of the next power of two (160, 192, 224, 256, 320, ...): at most a quarter more tokens than the prompt,
   four buckets per doubling. Each bucket is a compiled prefill (per row count, serving's): an 8K context has 32,
-  where multiples of 16 made 512, whose compiles (`serve --warm`) took minutes and, at a context of 1024 on the
+  where multiples of 16 made 512, whose compiles before serving took minutes and, at a context of 1024 on the
   CPU, ran out of memory for the JIT's code."""
   step = max(PROMPT_BUCKET, (1 << (max(tokens, 1) - 1).bit_length()) // 8)
   return -(-tokens // step) * step

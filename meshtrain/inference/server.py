@@ -9,6 +9,7 @@ text). Errors are OpenAI-style JSON. SIGTERM (or Ctrl-C) stops accepting request
 lets the ones in flight finish within `grace_s`, and returns.
 """
 import asyncio
+import gc
 import base64
 import dataclasses
 import hmac
@@ -102,6 +103,9 @@ class Metrics:
     prom.Gauge("meshtrain_serve_busy_slots", "decode slots holding a request", registry=r).set_function(
         lambda: engine.busy)
     prom.Gauge("meshtrain_serve_slots", "decode slots", registry=r).set(engine.slots)
+    if isinstance(engine, engine_lib.Engine):  # what is compiled: after warming, a request compiles nothing more
+      prom.Gauge("meshtrain_serve_compiled_programs", "prefill and decode programs compiled", registry=r).set_function(
+          lambda: len(engine.prefills) + len(engine.decodes))
     self.prompt_tokens = prom.Counter("meshtrain_serve_prompt_tokens", "prompt tokens prefilled", registry=r)
     self.generation_tokens = prom.Counter("meshtrain_serve_generation_tokens", "tokens generated", registry=r)
     self.requests = prom.Counter("meshtrain_serve_requests", "requests finished (one per choice)", ["finish_reason"],
@@ -158,6 +162,7 @@ class Server:
     self.inflight = 0
     self.stop = threading.Event()
     self.thread = None
+    self.port, self.port_known = None, threading.Event()
     self.outbox, self.outbox_lock = [], threading.Lock()  # updates on their way to the event loop (hand_over)
     self.created = int(time.time())
     self.chat = None
@@ -184,9 +189,23 @@ class Server:
 
   # --- the engine thread ---
 
-  def start_engine(self) -> None:
-    self.thread = threading.Thread(target=self.engine.run, args=(self.stop,), name="meshtrain-engine", daemon=True)
+  def start_engine(self, on_ready=None) -> None:
+    """The engine thread: warms the engine unless it is ready, calls `on_ready(port)` once the server listens too
+    (`listening(port)`, from `serve`), then runs the engine."""
+    def run():
+      if not getattr(self.engine, "ready", True):
+        self.engine.warm()
+        gc.freeze()  # the compiled programs too, as serving.serve freezes what start-up built
+      if on_ready is not None:
+        self.port_known.wait()
+        on_ready(self.port)
+      self.engine.run(self.stop)
+    self.thread = threading.Thread(target=run, name="meshtrain-engine", daemon=True)
     self.thread.start()
+
+  def listening(self, port: int) -> None:
+    self.port = port
+    self.port_known.set()
 
   def stop_engine(self) -> None:
     self.stop.set()
@@ -195,14 +214,16 @@ class Server:
     if self.thread is not None:
       self.thread.join()
 
-  def serve(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning", on_ready=None) -> None:
-    """Runs the server until SIGTERM/SIGINT (then drains: see the module docstring). `on_ready(port)` is called
-    once it listens (port 0 picks a free port)."""
+  def serve(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning", on_listening=None,
+            on_ready=None) -> None:
+    """Runs the server until SIGTERM/SIGINT (then drains: see the module docstring). `on_listening(port)` is called
+    once it listens (port 0 picks a free port), `on_ready(port)` once the engine is warm too: /health says ok from
+    then on, and requests are taken (503 before)."""
     config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             lifespan="off")
-    server = DrainingServer(config, self, on_ready)
+    server = DrainingServer(config, self, on_listening)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    self.start_engine()
+    self.start_engine(on_ready)
     try:
       server.run()
     finally:
@@ -236,9 +257,22 @@ class Server:
                     "not_found_error" if exc.status_code == 404 else "invalid_request_error").response()
 
   async def health(self, http: HttpRequest) -> Response:
+    """200 `ok` once ready; 503 `warming` (with how many programs are compiled) before, as a readiness probe expects,
+    and 503 `draining` after SIGTERM."""
+    if not self.ready:
+      return JSONResponse({"status": "warming", "programs_compiled": self.engine.warmed,
+                           "programs": len(self.engine.programs())}, status_code=503)
     status = 503 if self.draining else 200
     return JSONResponse({"status": "draining" if self.draining else "ok", "busy_slots": self.engine.busy,
                          "queue": self.engine.queued}, status_code=status)
+
+  @property
+  def ready(self) -> bool:
+    """Whether every program a request can need is compiled (an image engine compiles on first use: always)."""
+    return getattr(self.engine, "ready", True)
+
+  def warming(self) -> str:
+    return f"{self.engine.warmed} of {len(self.engine.programs())} programs compiled"
 
   async def prometheus(self, http: HttpRequest) -> Response:
     return await self.guarded(http, lambda _: self.metrics_text(), counts=False)
@@ -261,6 +295,9 @@ class Server:
           raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
       if counts and self.draining:
         raise ApiError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
+      if counts and not self.ready:
+        raise ApiError(503, f"warming up: {self.warming()}; GET /health says ok once every program is compiled",
+                       "service_unavailable", headers={"Retry-After": "5"})
       body = await self.body(http) if http.method == "POST" else {}
       self.inflight += counts
       try:
@@ -718,5 +755,8 @@ class DrainingServer(uvicorn.Server):
 
   async def startup(self, sockets=None) -> None:
     await super().startup(sockets)
-    if self.on_ready is not None and self.servers:
-      self.on_ready(self.servers[0].sockets[0].getsockname()[1])
+    if self.servers:
+      port = self.servers[0].sockets[0].getsockname()[1]
+      if self.on_ready is not None:
+        self.on_ready(port)
+      self.owner.listening(port)

@@ -40,10 +40,10 @@ def language_engine(workdir, cfg, options) -> Engine:
   step = generator.step
   follow = options.step is None and options.follow_s > 0
   live = LiveCheckpoints(workdir, step, options.follow_s) if follow else None
-  engine = Engine(generator, slots=options.slots, max_queue=options.max_queue, step=step, live=live)
-  if options.warm:
-    engine.warm()
-  return engine
+  # Warmed before the first request (on the engine thread while the server listens: /health says `warming`),
+  # unless --lazy: then each program compiles when a request first needs it.
+  return Engine(generator, slots=options.slots, max_queue=options.max_queue, step=step, live=live,
+                warm_first=not options.lazy)
 
 
 def image_engine(workdir, step: int, cfg, options) -> images.ImageEngine:
@@ -79,4 +79,11 @@ def serve(cfg, workdir, step: int, options) -> None:
           f"{engine.slots} slots, context {engine.max_len}, {engine.processes} process(es)")
   ready = lambda port: print(f"serving {server.model_name} on http://{options.host}:{port}/v1 ({what})",
                              file=sys.stderr, flush=True)
-  server.serve(options.host, options.port, on_ready=ready)
+
+  def listening(port: int) -> None:
+    if not server.ready:
+      print(f"listening on http://{options.host}:{port}: compiling {len(engine.programs())} programs before serving "
+            "(GET /health answers 503 `warming` until then; --lazy compiles on first use instead)",
+            file=sys.stderr, flush=True)
+
+  server.serve(options.host, options.port, on_listening=listening, on_ready=ready)

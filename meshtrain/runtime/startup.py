@@ -8,6 +8,7 @@ import sys
 import threading
 
 import jax
+import jaxlib.version
 from orbax.checkpoint import multihost
 
 from meshtrain import mesh
@@ -32,6 +33,9 @@ GPU_XLA_FLAGS = (
 # device held in a callback for 130 s); on a busy 2-core host a device thread can be starved that long (seen once
 # with 60 steps queued, and a CI worker died that way). A real hang is still caught, by the watchdog or this limit.
 CPU_XLA_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",)
+# The first jaxlib whose CPU runtime runs multi-device programs loaded from the persistent compilation cache
+# (tests/test_runtime.py's ring attention, twice against one cache): 0.10.2 and 0.11.2 abort on them.
+CPU_CACHE_SINCE = (0, 12, 1)
 
 
 def xla_flags(extra: str, environment: str) -> str:
@@ -46,15 +50,18 @@ def start(cfg) -> None:
   mesh.simulate_cpu_devices(cfg.cpu_devices)
   if settings is not None:
     _initialize_distributed(cfg, settings)
-  # Restarts after preemption or a crash recompile the same program: fetch it from disk instead. Not on the CPU:
-  # there XLA aborts the process on some multi-device programs loaded from the cache ("rendezvous.h: Check failed:
-  # id < num_threads (14 vs. 8) ... collective permute ... op_id=1": two collective-permutes of the deserialized
-  # program share one rendezvous), e.g. the 4-shard ring attention of tests/test_context_attention.py, every time
-  # (tests/test_runtime.py). CI, whose cache outlives a run, lost a worker to it. jax/jaxlib 0.10.2; GPUs run
-  # collectives through NCCL, not this code.
-  if cfg.compilation_cache_dir and jax.default_backend() != "cpu":
+  # Restarts after preemption or a crash, and a server's restarts, recompile the same programs: fetch them from disk
+  # instead. On the CPU only from jaxlib CPU_CACHE_SINCE on: before it XLA aborts the process on some multi-device
+  # programs loaded from the cache (docs/training.md#the-compilation-cache-on-the-cpu).
+  if cfg.compilation_cache_dir and cpu_cache_works():
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def cpu_cache_works() -> bool:
+  """Whether compiled programs may come from the persistent cache on this backend: always on GPUs and TPUs (their
+  collectives are not the CPU runtime's), on the CPU from jaxlib CPU_CACHE_SINCE."""
+  return jax.default_backend() != "cpu" or jaxlib.version.__version_info__ >= CPU_CACHE_SINCE
 
 
 def is_main() -> bool:
