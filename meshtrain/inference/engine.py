@@ -507,15 +507,18 @@ class Engine:
       keys_R = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_R), jnp.zeros(R, jnp.int32))
       # Every slot taken starts from its own request's settings; rows that change no logit (NEUTRAL: most
       # requests) skip the processing, as decode's steps do: one program serves both.
-      rows = neutral_processing(R, c.vocab_size)
       penalties_R3, min_R, ends_RE, bias_ids_RK, bias_R = unpack_processing(processing_RC)
-      prompt_RP = jnp.where(jnp.arange(P) >= start_R[:, None], tokens_RP, -1)
-      rows.update(penalties_B3=penalties_R3, min_B=min_R, ends_BE=ends_RE,
-                  bias_BV=dense_rows(bias_ids_RK, bias_R, c.vocab_size),
-                  prompt_BV=dense_rows(prompt_RP, jnp.ones(prompt_RP.shape, bool), c.vocab_size, False),
-                  processed_B=(penalties_R3[:, 0] != 0) | (penalties_R3[:, 1] != 0) | (penalties_R3[:, 2] != 1)
-                  | (bias_ids_RK >= 0).any(-1) | (min_R > 0))
-      any_processed = jnp.any(rows["processed_B"])
+      processed_R = ((penalties_R3[:, 0] != 0) | (penalties_R3[:, 1] != 0) | (penalties_R3[:, 2] != 1)
+                     | (bias_ids_RK >= 0).any(-1) | (min_R > 0))
+      any_processed = jnp.any(processed_R)
+
+      def settings():  # the rows' own [R, V] bias and prompt tokens: only built when some row asks
+        prompt_RP = jnp.where(jnp.arange(P) >= start_R[:, None], tokens_RP, -1)
+        return {**neutral_processing(R, c.vocab_size), "penalties_B3": penalties_R3, "min_B": min_R,
+                "ends_BE": ends_RE, "bias_BV": dense_rows(bias_ids_RK, bias_R, c.vocab_size),
+                "prompt_BV": dense_rows(prompt_RP, jnp.ones(prompt_RP.shape, bool), c.vocab_size, False),
+                "processed_B": processed_R}
+      rows = jax.lax.cond(any_processed, settings, lambda: neutral_processing(R, c.vocab_size))
       drawn_RV = jax.lax.cond(any_processed, lambda: processed_logits(logits_RLV[:, -1], rows, jnp.zeros(R, jnp.int32)),
                               lambda: logits_RLV[:, -1])
       token_R = sample_rows(drawn_RV, keys_R, temp_R, top_p_R, top_k_R, g.num_ids)
