@@ -8,9 +8,9 @@ mistake is a `UserError` naming the key.
 import ast
 import dataclasses
 import difflib
-import glob
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import os
@@ -33,6 +33,7 @@ DATA_ORDER_FIELDS = ("seed", "batch_size", "seq_len", "data.name", "data.text_ke
                      "data.format", "data.prompt_key", "data.completion_key", "data.image_key", "data.label_key",
                      "data.messages_key", "data.eval_fraction", "data.skip_bad_records", "data.mixture")
 DTYPES = ("float32", "bfloat16")
+MIN_MIXTURE_SHARE = 1e-9
 # distributed.barrier_timeout_s's default; also inference.generator.Generator's, for research code without a config.
 BARRIER_TIMEOUT_S = 1200
 # Simulated CPU devices in one process, at most: the largest cluster `python -m meshtrain.inspect` compiles for.
@@ -63,12 +64,26 @@ def is_path(name: str) -> bool:
           or os.path.exists(name))
 
 
+def _through_directory_link(path: pathlib.Path, fixed: pathlib.Path) -> bool:
+  """Whether `path` (a glob match) is, or lies under, a link to a directory below `fixed`."""
+  below = path.relative_to(fixed).parts
+  return any((fixed.joinpath(*below[:i]).is_symlink() and fixed.joinpath(*below[:i]).is_dir())
+             for i in range(1, len(below) + 1))
+
+
 def matching_paths(key: str, spec: str) -> list[pathlib.Path]:
   """The paths a data path or glob names (sorted); UserError when it names none. Checked with the config (before
   anything heavy loads) and again when the files are read (meshtrain/data/files.py)."""
   expanded = os.path.expanduser(spec)
   if any(c in expanded for c in "*?["):
-    paths = sorted(pathlib.Path(p) for p in glob.glob(expanded, recursive=True))
+    # Links to directories below the pattern's fixed part are not followed (glob.glob's ** would: a link to "."
+    # repeats every file 40 times, one to ".." walks the parent): pathlib's ** does not descend into them, and a
+    # match through one (a * that named a link) is left out. Hidden files are not matched, as the shell's glob.
+    parts = pathlib.Path(expanded).parts
+    fixed = pathlib.Path(*itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts))
+    paths = sorted(p for p in fixed.glob(str(pathlib.Path(*parts[len(fixed.parts):])))
+                   if not _through_directory_link(p, fixed) and not any(
+                       part.startswith(".") for part in p.relative_to(fixed).parts))
     if not paths:
       raise UserError(f"{key}={spec!r} is a glob that matches no file; check the pattern (quote it so the shell "
                       "does not expand it, and use ** to match subdirectories)")
@@ -117,6 +132,13 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
       raise UserError(f"data.mixture={spec!r}: entry {item.strip()!r} is not SRC=WEIGHT with a weight > 0; write "
                       "e.g. --config.data.mixture='python_stdlib=0.7,corpus/*.jsonl=0.3'")
     entries.append((source.strip(), value))
+  total = sum(w for _, w in entries)
+  # grain's mix turns the weights into integers: a share below 1e-9 (or a sum past floats) overflows there, and no
+  # run would draw from it anyway.
+  if not math.isfinite(total) or min(w for _, w in entries) / total < MIN_MIXTURE_SHARE:
+    raise UserError(f"data.mixture={spec!r}: weights must be proportions with each source's share at least "
+                    f"{MIN_MIXTURE_SHARE:g} of the total (these sum to {total:g}, the smallest "
+                    f"{min(w for _, w in entries):g}); write e.g. 0.7 and 0.3, and leave out a source you do not want")
   names = [n for n, _ in entries]
   if len(set(names)) < len(names):
     raise UserError(f"data.mixture={spec!r} names a source twice; give each source once with its total weight")

@@ -71,7 +71,8 @@ def train(cfg, workdir: pathlib.Path, origin: resume.Resume, preemption, extra_h
   # Each process got here at its own pace (data, tokenizer, tracing); Orbax's barriers are collectives: start together.
   startup.barrier("the checkpoint restore", cfg.distributed.barrier_timeout_s)
   ckpt = Checkpointer(workdir, cfg.checkpoint_keep, cfg.distributed.barrier_timeout_s)
-  start, state = origin.restore(ckpt, layout, tok, log)
+  inputs = data.select.input_files(cfg)  # after _data: the conversion has hashed (and cached) every file
+  start, state = origin.restore(ckpt, layout, tok, inputs, log)
   if start is not None and start >= cfg.steps:
     log(f"{ckpt.directory} already holds step {start} >= steps={cfg.steps}; nothing to do "
         f"(raise --config.steps to train further)")
@@ -99,7 +100,7 @@ def train(cfg, workdir: pathlib.Path, origin: resume.Resume, preemption, extra_h
   if eval_src is not None:
     # The task's extra eval input, e.g. the bytes each id stands for: bits per byte compares tokenizers.
     evaluate = hooks_lib.Evaluate(cfg.eval_every, programs.eval_fn, eval_src, layout.eval_extra(tok))
-  hooks = hooks_lib.for_loop(run, preemption, profiler, evaluate, origin.checkpoint_meta(layout, tok),
+  hooks = hooks_lib.for_loop(run, preemption, profiler, evaluate, origin.checkpoint_meta(layout, tok, inputs),
                              [*([harness] if harness else []), *extra_hooks])
   if init is not None and evaluate is not None:
     evaluate.baseline(run)

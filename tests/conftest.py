@@ -40,8 +40,8 @@ def local_datasets():
 # The longest test files first: xdist's loadfile hands whole files to the workers in order (with the reorder off,
 # below), so a file of one long training run handed out last (tests/test_t2i_run.py, about 9 minutes) ran alone at
 # the end of the suite while the other worker idled. Longest first lets the other files fill the other worker.
-LONGEST_FIRST = ("test_t2i_run.py", "test_slurm.py", "test_serve.py", "test_recovery.py", "test_multiprocess.py",
-                 "test_logprobs.py")
+LONGEST_FIRST = ("test_t2i_run.py", "test_docs_commands.py", "test_slurm.py", "test_serve.py", "test_recovery.py",
+                 "test_multiprocess.py", "test_logprobs.py")
 
 
 def pytest_configure(config):

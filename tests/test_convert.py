@@ -358,6 +358,10 @@ def valid_hf(tmp_path_factory):
     ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
     ("attention_bias", True, "attention_bias"), ("mlp_bias", True, "mlp_bias"), ("hidden_act", "gelu", "hidden_act"),
     ("model_type", "gemma2", "gemma2"), ("architectures", ["MistralForCausalLM"], "MistralForCausalLM"),
+    ("rms_norm_eps", "tiny", 'rms_norm_eps is "tiny"; it must be a positive number'),
+    ("max_position_embeddings", 64.5, "max_position_embeddings is 64.5; it must be a positive integer"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": None}, "rope_theta is null"),
+    ("head_dim", -16, "head_dim is -16"),
 ])
 def test_unsupported_field_is_refused(valid_hf, tmp_path, capsys, field, value, needle):
   """Named, with what converts instead (the families, or the supported value)."""
@@ -451,14 +455,69 @@ def test_to_hf_refuses_what_the_family_cannot_hold(tmp_path, capsys):
   assert not (tmp_path / "hf").exists()
 
 
-def test_failed_conversion_leaves_nothing(valid_hf, tmp_path, monkeypatch):
+def test_failed_conversion_leaves_nothing(valid_hf, tmp_path, monkeypatch, capsys):
   def crash(directory, *args):
     (directory / "half-written").write_text("x")
-    raise OSError("No space left on device")
+    raise OSError(28, "No space left on device", str(directory / "half-written"))
   monkeypatch.setattr(weights, "save_params", crash)
-  with pytest.raises(OSError):
-    run_convert("from-hf", valid_hf, "--workdir", tmp_path / "w")
+  assert run_convert("from-hf", valid_hf, "--workdir", tmp_path / "w") == 2
+  one_line_error(capsys, "from-hf failed writing", "No space left on device", "nothing was written")
   assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A file system of a few hundred KB (a tmpfs, mounted for the test: root, as CI runs), made by `mount(size)`."""
+  mounts = []
+
+  def mount(size: str) -> pathlib.Path:
+    where = tmp_path / f"disk{len(mounts)}"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]).returncode:
+      pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    mounts.append(where)
+    return where
+  yield mount
+  for where in mounts:
+    subprocess.run(["umount", str(where)], check=True)
+
+
+# from-hf with the free-space check passed over (as if the disk filled up after it): the staged files' blocks are
+# reserved before they are memory-mapped, so a full disk is an error line, not SIGBUS (exit 135).
+PAST_THE_CHECK = """
+import shutil, sys
+from meshtrain.cli import convert
+shutil.disk_usage = lambda path: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40)
+sys.exit(convert.main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(valid_hf, trained, small_disk, capsys):
+  """Too little space is refused before anything is written (sizes from the headers); a disk that fills up anyway
+  (the check passed over, in a subprocess: a SIGBUS would end it) ends in one line with exit 2 and nothing left;
+  to-hf likewise, and into a file system that refuses writes (/proc)."""
+  disk = small_disk("1m")  # the tiny model's staged arrays and checkpoint: 0.6 MB, + a 1 MiB margin
+  assert run_convert("from-hf", valid_hf, "--workdir", disk / "w") == 2
+  one_line_error(capsys, "needs 0.0", "of disk space in", "nothing was written")
+  assert run_convert("to-hf", "--workdir", trained / "run", "--out", disk / "hf") == 2
+  one_line_error(capsys, "exporting", "of disk space")
+  for size in ("200k", "400k"):  # full while staging the arrays; full while writing the checkpoint
+    disk = small_disk(size)
+    done = subprocess.run([sys.executable, "-c", PAST_THE_CHECK, "from-hf", str(valid_hf), "--workdir",
+                           str(disk / "w")], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert list(disk.iterdir()) == [], size
+  assert run_convert("to-hf", "--workdir", trained / "run", "--out", "/proc/meshtrain-export") == 2
+  one_line_error(capsys)
+
+
+def test_what_a_killed_conversion_left_is_removed_by_the_next(valid_hf, tmp_path):
+  proc = subprocess.Popen([sys.executable, "-c", "pass"])
+  proc.wait()
+  left = tmp_path / f".w.partial-{proc.pid}"  # SIGKILL mid-conversion: no handler ran
+  (left / ".params").mkdir(parents=True)
+  assert run_convert("from-hf", valid_hf, "--workdir", tmp_path / "w") == 0
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
 
 
 def test_command_line_exit_code(tmp_path):

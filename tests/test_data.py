@@ -1,5 +1,6 @@
 """Data layer: tokenizer, the python_stdlib TFDS corpus, packing, determinism, global batches, errors."""
 import pathlib
+import re
 import sys
 
 import jax
@@ -285,6 +286,15 @@ def test_synthetic_source():
 def test_unknown_dataset(tmp_path):
   with pytest.raises(UserError, match="unknown dataset.*'no_such_corpus'.*python_stdlib.*synthetic.*data_dir"):
     make_source(make_cfg(tmp_path, data__name="no_such_corpus"), "train", shuffle=True)
+
+
+def test_messages_name_tfds_data_dir_when_it_decides(tmp_path, monkeypatch):
+  """With data.data_dir unset TFDS looks in $TFDS_DATA_DIR when it is set: the message names that, not ~."""
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "x"))
+  cfg = make_cfg(tmp_path, data__name="lm1b")
+  cfg.data.data_dir = ""
+  with pytest.raises(UserError, match=re.escape(f"not prepared under $TFDS_DATA_DIR ({tmp_path / 'x'}; ")):
+    make_source(cfg, "train", shuffle=True)
 
 
 def test_dataset_not_prepared(tmp_path):

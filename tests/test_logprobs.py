@@ -2,7 +2,10 @@
 training forward pass of the whole sequence, no cache), alone and under continuous batching; echo with max_tokens
 0; ignore_eos and stop_token_ids."""
 import dataclasses
+import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -21,6 +24,7 @@ from test_serve import (MAX_TOKENS, MODEL, PROMPTS, greedy, make_generator, para
                         start_server)
 
 from meshtrain import mesh as mesh_lib, sharding, train
+from meshtrain.cli import convert
 from meshtrain.data import tokenization
 from meshtrain.errors import UserError
 from meshtrain.inference import engine as engine_lib, generator, harness
@@ -166,10 +170,13 @@ def scored(workdir):
   g = generator.Generator.from_workdir(workdir)
   forward = jax.jit(lambda p, t: jax.nn.log_softmax(g.model.apply({"params": p}, t)[0, :-1].astype(jnp.float32)))
 
-  def score(ids, rows=False):
-    """The logprobs, and with `rows` whether each token is the most likely id the server could draw."""
+  def score(ids, rows=False, drawable=False):
+    """The logprobs, and with `rows` whether each token is the most likely id the server could draw, or with
+    `drawable` the logprobs of every id the server could draw [len(ids) - 1, num_ids]."""
     lp_LV = np.asarray(forward(g.params, np.asarray([ids], np.int32)))
     chosen = lp_LV[np.arange(len(ids) - 1), ids[1:]]
+    if drawable:
+      return chosen, lp_LV[:, :g.num_ids]
     return (chosen, chosen == lp_LV[:, :g.num_ids].max(-1)) if rows else chosen
   return score
 
@@ -205,6 +212,46 @@ def test_completions_logprobs_echo_and_streams(client, scored):
           for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
 
 
+def test_prompt_logprobs_as_vllm_gives_them(client, workdir, scored):
+  """vLLM's extension: each prompt token's logprob, its rank among the drawable ids and the k most likely, for
+  completions (per choice, without echo's text) and chat (once, over the rendered conversation)."""
+  prompt = list(b"def main(x):")
+  out = client.completions.create(model=None, prompt="def main(x):", max_tokens=2, temperature=0, n=2,
+                                  extra_body={"prompt_logprobs": 2})
+  chosen, drawable_LV = scored(prompt, drawable=True)
+  ordered_LV = -np.sort(-drawable_LV, axis=-1)
+  for choice in out.choices:
+    listed = choice.model_extra["prompt_logprobs"]
+    assert not choice.text.startswith("def") and listed[0] is None and len(listed) == len(prompt)  # no echo
+    for j, position in enumerate(listed[1:]):
+      token = str(prompt[j + 1])
+      mine = position.pop(token)
+      np.testing.assert_allclose(mine["logprob"], chosen[j], atol=ATOL)
+      # Its rank: 1 + the ids likelier than it (those within rounding of it may count either way).
+      assert (drawable_LV[j] > chosen[j] + ATOL).sum() < mine["rank"] <= 1 + (drawable_LV[j] > chosen[j] - ATOL).sum()
+      assert mine["decoded_token"] == chr(prompt[j + 1])
+      # The 2 most likely (one of them may have been the token itself).
+      assert len(position) == 2 - (mine["rank"] <= 2) and all(
+          abs(a["logprob"] - ordered_LV[j, a["rank"] - 1]) <= ATOL for a in position.values())
+      assert sorted(a["rank"] for a in position.values()) == [r for r in (1, 2) if r != mine["rank"]]
+  assert out.choices[0].logprobs is None  # prompt_logprobs alone asks for no new tokens' logprobs
+  # 0: the token alone; with echo and logprobs, each keeps its own count: the echoed alternatives are those of the
+  # same request without prompt_logprobs (compared whole: keyed by text, ids that decode alike share a key).
+  both = client.completions.create(model=None, prompt="def main(x):", max_tokens=1, temperature=0, logprobs=3,
+                                   echo=True, extra_body={"prompt_logprobs": 0}).choices[0]
+  assert [list(p) for p in both.model_extra["prompt_logprobs"][1:]] == [[str(t)] for t in prompt[1:]]
+  echoed = client.completions.create(model=None, prompt="def main(x):", max_tokens=1, temperature=0, logprobs=3,
+                                     echo=True).choices[0]
+  assert both.logprobs.top_logprobs == echoed.logprobs.top_logprobs and both.logprobs.tokens == echoed.logprobs.tokens
+  (workdir / "tokenizer").mkdir(exist_ok=True)
+  (workdir / "tokenizer" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+  chat = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "def main(x):"}],
+                                        max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1})
+  listed = chat.model_extra["prompt_logprobs"]
+  assert [position[str(t)]["logprob"] for position, t in zip(listed[1:], prompt[1:])] == pytest.approx(
+      chosen.tolist(), abs=ATOL)
+
+
 def test_chat_logprobs(client, workdir):
   (workdir / "tokenizer").mkdir(exist_ok=True)
   (workdir / "tokenizer" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -221,8 +268,9 @@ def test_chat_logprobs(client, workdir):
 
 def test_fields_that_would_change_the_result_are_honoured_or_refused(client, server):
   for extra, param in [({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"),
-                       ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"response_format": {"type": "json_object"}},
-                                                                     "response_format"),
+                       ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                       ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                       ({"response_format": {"type": "json_object"}}, "response_format"),
                        ({"echo": True, "stream": True}, "echo"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
                        ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"41": -101}}, "logit_bias"),
                        ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -268,6 +316,36 @@ def test_probed_endpoints_and_json_errors(client, server, workdir):
     with pytest.raises(urllib.error.HTTPError) as e:
       urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=30)
     assert e.value.code in (404, 405) and json.loads(e.value.read())["error"]["code"] == e.value.code
+
+
+def test_guidellm_runs_a_bounded_load(server, workdir, tmp_path):
+  """A load tester nobody here wrote (guidellm, as vLLM's users run it): 16 requests from 4 concurrent streams of
+  16 prompt tokens and 8 new ones each, with the run's tokenizer exported for it. Every request succeeds with
+  exactly 8 new tokens (guidellm sends ignore_eos) and 16 prompt tokens, as the server counts them. guidellm comes
+  with the `hf` extra (it needs torch); MESHTRAIN_SKIP_HF_TESTS=1 skips this knowingly, as the other hf tests."""
+  if os.environ.get("MESHTRAIN_SKIP_HF_TESTS") == "1":
+    pytest.skip("MESHTRAIN_SKIP_HF_TESTS=1: guidellm (the hf extra) skipped")
+  if importlib.util.find_spec("guidellm") is None:
+    pytest.fail("guidellm is not installed: pip install -e '.[test,hf]' (or MESHTRAIN_SKIP_HF_TESTS=1 to skip)")
+  assert convert.main(["to-hf", "--workdir", str(workdir), "--out", str(tmp_path / "hf")]) == 0
+  metrics = lambda: urllib.request.urlopen(server[1].removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+  served = lambda text: float(re.search(r'^meshtrain_serve_requests_total{finish_reason="length"} (\S+)$', text,
+                                         re.M).group(1))
+  before = served(metrics())
+  run = subprocess.run([sys.executable, "-m", "guidellm", "run",
+                        f"--backend=kind=openai_http,target={server[1].removesuffix('/v1')},request_format=/v1/completions",
+                        "--profile=kind=concurrent,streams=4", "--constraint=kind=max_requests,count=16",
+                        f"--tokenizer=kind=huggingface_auto,model={tmp_path / 'hf'}",
+                        "--data=kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+                        f"--output=kind=json,path={tmp_path / 'out.json'}", "--disable-console-interactive"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})  # nothing downloads: a local tokenizer
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  requests = json.loads((tmp_path / "out.json").read_text())["benchmarks"][0]["requests"]
+  assert not requests["errored"] and not requests["incomplete"] and len(requests["successful"]) == 16
+  assert all(r["output_metrics"]["text_tokens"] == 8 and r["input_metrics"]["text_tokens"] == 16
+             for r in requests["successful"])
+  assert served(metrics()) - before == 16
 
 
 MC_DOCS = [{"question": "x = 1 +", "choices": [" 1", " foo", " ("], "answer": 0},

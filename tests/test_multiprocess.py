@@ -48,17 +48,22 @@ def single(tmp_path_factory):
 
 
 def test_processes_match_one_process(single, tmp_path):
-  # Four processes of two devices each (two processes of four: tests/test_recovery.py's elastic resume).
-  processes, devices = 4, 2
-  proc = launch(processes, devices, tmp_path)
+  # Two processes of four devices (tests/test_recovery.py's elastic resume goes from one to two and back). Not
+  # more processes: with jaxlib 0.12.1, four of two and eight of one now and then hang in the first all-reduce
+  # (docs/cluster.md#on-one-machine).
+  processes, devices = 2, 4
+  workdir, cache = tmp_path / "run", tmp_path / "compilation-cache"
+  proc = launch(processes, devices, workdir, f"--config.compilation_cache_dir={cache}")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # Several CPU processes compile rather than share cached programs (meshtrain.runtime.startup.cpu_cache_works).
+  assert not cache.exists()
   assert f"[p0] mesh: data=8 (8 cpu devices, {processes} process(es))" in proc.stdout
   assert "[p1] done" not in proc.stdout and "[p0] done: step 4" in proc.stdout  # only process 0 reports
-  ref, got = losses(single), losses(tmp_path)
+  ref, got = losses(single), losses(workdir)
   assert [s for s, _ in got] == [s for s, _ in ref]
   np.testing.assert_allclose([l for _, l in got], [l for _, l in ref], rtol=2e-5)  # gloo sums in another order
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), restore_params(tmp_path, 4),
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), restore_params(workdir, 4),
                restore_params(single, 4))
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -170,6 +171,47 @@ def test_conversion_is_keyed_by_content_and_done_once(tmp_path, capsys):
     f.write(json.dumps({"text": "one more document"}) + "\n")
   assert "one more document" in split_texts(cfg, "train", str(moved)) + split_texts(cfg, "validation", str(moved))
   assert len(converted_dirs(tmp_path)) == 2  # an edited one is converted again
+
+
+def test_globs_do_not_follow_directory_links(tmp_path):
+  """`**` would follow a link to "." into 40 copies of each file and a link to ".." into the parent: links to
+  directories under a glob's fixed part are not followed, so each file counts once (a linked file still counts)."""
+  write_jsonl(tmp_path / "outside.jsonl", [{"text": "not mine"}])
+  write_jsonl(tmp_path / "loop" / "a.jsonl", [{"text": d} for d in DOCS[:50]])
+  (tmp_path / "loop" / "self").symlink_to(".")
+  (tmp_path / "loop" / "up").symlink_to("..")
+  (tmp_path / "loop" / "b.jsonl").symlink_to(tmp_path / "outside.jsonl")
+  for spec in (tmp_path / "loop" / "**" / "*.jsonl", tmp_path / "loop"):
+    found = [i.path.name for i in files.find_inputs(str(spec))]
+    assert sorted(found) == ["a.jsonl", "b.jsonl"], (spec, found)
+
+
+def test_extreme_mixture_weights_are_refused_before_anything_runs():
+  for spec in ("a.jsonl=1e-300,b.jsonl=1e300", "a.jsonl=1,b.jsonl=1e-10", "a.jsonl=1e308,b.jsonl=1e308"):
+    with pytest.raises(UserError, match="share at least 1e-09 of the total"):
+      config_lib.parse_mixture(spec)
+  assert config_lib.parse_mixture("a.jsonl=1e-6,b.jsonl=1") == [("a.jsonl", 1e-6), ("b.jsonl", 1.0)]
+
+
+def test_a_killed_conversions_leftovers_are_cleared_by_the_next(tmp_path):
+  src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCS])
+  cfg = make_cfg(tmp_path)
+  corpus = files.resolve(str(src), cfg.data, cfg.data.eval_fraction)
+  dead = _dead_pid()
+  host = socket.gethostname()
+  left = corpus.version_dir.parent / f".{files.VERSION}.tmp-{host}-{dead}-x1"  # what kill -9 mid-conversion leaves
+  alive = corpus.version_dir.parent / f".{files.VERSION}.tmp-{host}-{os.getpid()}-x2"  # a conversion under way
+  for d in (left, alive):
+    (d / "train").mkdir(parents=True)
+  split_texts(cfg, "train", str(src))
+  assert not left.exists() and alive.exists()
+
+
+def _dead_pid() -> int:
+  """The pid of a process that has exited (and been reaped)."""
+  proc = subprocess.Popen([sys.executable, "-c", "pass"])
+  proc.wait()
+  return proc.pid
 
 
 @pytest.mark.slow  # three processes
@@ -445,6 +487,30 @@ def test_training_on_files_resumes_exactly(two_corpora, tmp_path, source):
   losses = [[json.loads(l).get("loss") for l in (tmp_path / w / "metrics.jsonl").read_text().splitlines()]
             for w in ("full", "resumed")]
   assert losses[0] == losses[1] and None not in losses[0][:4]
+
+
+def test_a_changed_input_is_refused_on_resume(tmp_path, capsys):
+  """Every checkpoint records the contents of the files it trained on: the same path with other contents (here 400
+  records appended) is refused on resume, naming the file; allow_data_change continues on the new contents from
+  that step, saying so. The same contents under another name resume as they are."""
+  src = write_jsonl(tmp_path / "data" / "edit.jsonl", [{"text": d} for d in DOCS])
+  args = ["--config", "configs/tiny.py", "--config.seq_len=32", "--config.checkpoint_every=2", "--config.eval_every=0",
+          "--config.model.num_layers=1", f"--config.data.data_dir={tmp_path / 'tfds'}",
+          f"--config.data.name={tmp_path / 'data' / '*.jsonl'}", "--workdir", str(tmp_path / "w")]
+  assert train.main([*args, "--config.steps=2"]) == 0
+  with open(src, "a", encoding="utf-8") as f:
+    f.writelines(json.dumps({"text": f"new document {i}"}) + "\n" for i in range(400))
+  assert train.main([*args, "--config.steps=4"]) == 2
+  err = capsys.readouterr().err
+  assert f"was trained on other contents of data '{tmp_path / 'data' / '*.jsonl'}': {src} changed (" in err, err
+  assert "--config.allow_data_change=true" in err and not (tmp_path / "w" / "checkpoints" / "4").exists()
+  assert train.main([*args, "--config.steps=4", "--config.allow_data_change=true"]) == 0
+  assert "resuming with the contents of data" in capsys.readouterr().out
+  src.rename(tmp_path / "data" / "renamed.jsonl")  # moved: the same corpus, checked and accepted
+  assert train.main([*args, "--config.steps=4"]) == 0 and "nothing to do" in capsys.readouterr().out
+  meta = json.loads((tmp_path / "w" / "checkpoints" / "4" / "meta" / "metadata").read_text())
+  [recorded] = meta["data_inputs"].values()
+  assert recorded["files"] == 1 and recorded["listed"][0]["bytes"] == src.with_name("renamed.jsonl").stat().st_size
 
 
 @pytest.mark.slow  # a whole training run

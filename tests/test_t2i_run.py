@@ -23,15 +23,16 @@ from meshtrain.inference import shapes_judge
 
 pytestmark = pytest.mark.slow
 
-STEPS = 600
+STEPS = 450
 HELDOUT = [shapes.caption(c, s) for c, s in shapes.HELDOUT]
 SEED = 5
 N = 8
 SEEN = ["a red circle", "a purple triangle", "a white square"]
-# What a model that ignored its captions would score: colour 1/6, shape 1/3, both 1/18. At 600 steps the model has
-# learned colours and begun on shapes: held-out colour 0.42 and both 0.33, seen colour 1.0 measured here
-# (benchmarks/2026-12-05-t2i-quality.md, with the full config's numbers); the bounds leave room below those.
-MIN_HELDOUT = {"colour_accuracy": 0.3, "accuracy": 0.15}
+# What a model that ignored its captions would score: colour 1/6, shape 1/3, both 1/18. At 450 steps the model has
+# learned colours and begun on shapes: held-out colour 0.33 and both 0.29, seen colour 1.0 measured here (600 steps:
+# 0.42, 0.33, 1.0; benchmarks/2026-12-05-t2i-quality.md, with the full config's numbers); the bounds leave room
+# below those and stay well above chance.
+MIN_HELDOUT = {"colour_accuracy": 0.25, "accuracy": 0.15}
 MIN_SEEN = {"colour_accuracy": 0.9}
 
 
@@ -110,7 +111,7 @@ def test_served_prompts_are_the_sampled_pictures_alone_or_batched(run, tmp_path)
     fewer_steps = ask(HELDOUT[0], steps=4, guidance=1.0)
     assert fewer_steps.shape == alone.shape and not np.array_equal(fewer_steps, alone)
     for bad, match in [({"size": "64x64"}, "draws 32x32 images"), ({"prompt": ""}, "non-empty"),
-                       ({"response_format": "url"}, "b64_json"), ({"n": 9}, "n 9 must be between 1 and 8")]:
+                       ({"response_format": "url"}, "b64_json"), ({"n": 9}, "n: Input should be less than or equal")]:
       with pytest.raises(openai.BadRequestError, match=match):
         client.images.generate(model=None, **{"prompt": "a red circle", **bad})
   finally:

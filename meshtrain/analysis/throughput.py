@@ -34,8 +34,11 @@ def fixed_batch(path: str, cfg, sharding):
   return jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, sharding)
 
 
-def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
+def bench(cfg, steps: int, warmup: int, tokens_path: str = "", data_seconds: float = 0.0) -> dict:
+  """The train step's throughput, MFU, compile time and memory on `cfg`'s mesh; with `data_seconds`, the host
+  pipeline's alone first (`data_throughput`), once the runtime is started: reading data starts JAX's backends."""
   startup.start(cfg)
+  data_result = data_throughput(cfg, data_seconds) if data_seconds else {}
   mesh = mesh_lib.make_mesh(cfg.mesh)
   layout = layout_lib.build(cfg, mesh)
   task = layout.task
@@ -71,7 +74,7 @@ def bench(cfg, steps: int, warmup: int, tokens_path: str = "") -> dict:
   shape = ({"attention": layout.model.cfg.attention, "seq_len": cfg.seq_len} if cfg.task == "lm" else
            {k: cfg.model[k] for k in ("image_size", "channels", "patch_size")})
   return {
-      task.throughput_key: units / step_s, "step_time_s": step_s, "step_time_min_s": min(times),
+      **data_result, task.throughput_key: units / step_s, "step_time_s": step_s, "step_time_min_s": min(times),
       "step_time_max_s": max(times), "mfu": achieved / (peak * mesh.size), "peak_flops": peak,
       "peak_source": peak_source, "achieved_flops": achieved, f"model_flops_per_{unit}": flops_per_example /
       task.units_per_example, "model_flops_per_example": flops_per_example, "task": cfg.task,

@@ -10,7 +10,7 @@
 
 `resume` and `init_from` import the train step and the data layer: the train loop imports them itself.
 """
-from meshtrain.checkpoint.checkpointer import REQUIRED, Checkpointer
+from meshtrain.checkpoint.checkpointer import REQUIRED, Checkpointer, register_handler
 from meshtrain.checkpoint.reader import (
                                          StepVanished,
                                          checkpoint_steps,
@@ -22,5 +22,5 @@ from meshtrain.checkpoint.reader import (
                                          task_of,
 )
 
-__all__ = ["Checkpointer", "REQUIRED", "StepVanished", "checkpoint_steps", "load_params", "param_reader", "read_params",
-           "retrying", "run_meta", "task_of"]
+__all__ = ["Checkpointer", "REQUIRED", "register_handler", "StepVanished", "checkpoint_steps", "load_params",
+           "param_reader", "read_params", "retrying", "run_meta", "task_of"]

@@ -7,6 +7,7 @@ Orbax does not notice a step directory that lost its commit marker or metadata; 
 each checkpoint carries: meshtrain/checkpoint/integrity.py.
 """
 import gc
+import logging
 import os
 import pathlib
 import re
@@ -38,6 +39,19 @@ DAMAGED_NAME = re.compile(r"^(\d+)\.damaged(\.\d+)?$")  # `12.damaged`, or `12.d
 REPLICA_PARALLEL_MIN_SLICE_BYTES = 16 << 20
 
 
+def register_handler(kind, handler) -> None:
+  """Orbax's register_type_handler(override=True), without its warning that it overrides (which is the point), printed
+  on every command's terminal otherwise."""
+  expected = logging.Filter()
+  expected.filter = lambda record: not record.getMessage().startswith("Type handler registry type")
+  logger = logging.getLogger("absl")
+  logger.addFilter(expected)
+  try:
+    ocp.type_handlers.register_type_handler(kind, handler, override=True)
+  finally:
+    logger.removeFilter(expected)
+
+
 class Checkpointer:
   def __init__(self, workdir: str | pathlib.Path, keep: int, barrier_timeout_s: int = 1200, checksums: bool = True):
     """`checksums=False` writes checkpoints exactly as meshtrain did before checksums (Zarr v2, no digests): for
@@ -48,8 +62,8 @@ class Checkpointer:
     self._checksums = checksums
     self._array_checksums = enable_array_checksums() if checksums else None  # "crc32c", "zstd" or None
     self._output = BackgroundOutput(self.directory.parent / "diagnostics")
-    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES), override=True)
+    register_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES))
     # Zarr v3 is what carries the chunk checksums; StandardCheckpointHandler always writes v2. Restoring reads the
     # format from each checkpoint's own metadata, so either handler reads both.
     state_handler = ocp.PyTreeCheckpointHandler(use_zarr3=True) if checksums else ocp.StandardCheckpointHandler()

@@ -40,6 +40,21 @@ def check_compatible(saved_config: dict, model_cfg, shape_fields: tuple[str, ...
                     + "\n  ".join(diffs) + "\nuse the same model settings to resume, or a new --workdir to start over")
 
 
+def content_changes(was: dict, now: dict, most: int = 3) -> str:
+  """What differs between two records of a data path's files (select.input_files'), for a message: files whose
+  contents changed, files added and removed (a file moved with its contents is neither)."""
+  if "listed" not in was or "listed" not in now:
+    return f"{was['files']:,} files then, {now['files']:,} now, with other contents"
+  old, new = {f["path"]: f for f in was["listed"]}, {f["path"]: f for f in now["listed"]}
+  old_hashes, new_hashes = {f["sha256"] for f in was["listed"]}, {f["sha256"] for f in now["listed"]}
+  parts = [f"{p} changed ({old[p]['bytes']:,} -> {new[p]['bytes']:,} bytes)" for p in sorted(old.keys() & new.keys())
+           if old[p]["sha256"] != new[p]["sha256"]]
+  parts += [f"{p} added" for p in sorted(new.keys() - old.keys()) if new[p]["sha256"] not in old_hashes]
+  parts += [f"{p} removed" for p in sorted(old.keys() - new.keys()) if old[p]["sha256"] not in new_hashes]
+  parts = parts or ["the same paths hold other contents"]
+  return ", ".join(parts[:most]) + (f" and {len(parts) - most} more" if len(parts) > most else "")
+
+
 @dataclasses.dataclass(frozen=True)
 class ResumeCheck:
   """`check_meta(step, meta)` for Checkpointer.restore_latest: refuses a checkpoint this run cannot continue (a
@@ -51,6 +66,7 @@ class ResumeCheck:
   shape_fields: tuple[str, ...]    # the task's model fields that decide the state's shapes
   layer_order: str                 # this run's ("sequential", or a circular pipeline's)
   tok: object                      # this run's tokenizer; None for tasks that read no text
+  inputs: dict                     # this run's data files' contents (meshtrain/data/select.py input_files)
   log: Callable[[str], None]
 
   def __call__(self, step: int, meta: dict) -> None:
@@ -99,6 +115,20 @@ class ResumeCheck:
                       "rerun with --config.allow_data_change=true to continue with the new ones")
     for key, old, new in data_changes + config_lib.changes(meta["config"], cfg, config_lib.schedule_fields(cfg)):
       self.log(f"resuming with {key} changed: {old!r} -> {new!r}")
+    # The same paths may hold other contents: an edited, added or removed file is another corpus (checkpoints from
+    # before contents were recorded have none to compare).
+    for spec, was in meta.get("data_inputs", {}).items():
+      if spec not in self.inputs:
+        continue  # another data.name: named above
+      if was["digest"] == self.inputs[spec]["digest"]:
+        continue  # the same contents, wherever they moved
+      changed = content_changes(was, self.inputs[spec])
+      if not cfg.allow_data_change:
+        raise UserError(f"the checkpoint at step {step} in {self.directory} was trained on other contents of "
+                        f"data {spec!r}: {changed}. Resuming would silently continue on another corpus; put the "
+                        "files back as they were, start a new --workdir, or rerun with "
+                        f"--config.allow_data_change=true to train on the new contents from step {step} on")
+      self.log(f"resuming with the contents of data {spec!r} changed: {changed}")
 
 
 def begin(cfg, workdir: pathlib.Path) -> "Resume":
@@ -119,11 +149,12 @@ class Resume:
   init: init_from.Source | None    # the checkpoint a fine-tuning run starts from; None otherwise
   init_record: dict | None = None  # where a fine-tuning run's parameters came from, in every checkpoint's meta
 
-  def restore(self, ckpt, layout, tok, log: Callable[[str], None]) -> tuple[int | None, object]:
+  def restore(self, ckpt, layout, tok, inputs: dict, log: Callable[[str], None]) -> tuple[int | None, object]:
     """(step, state) of the newest usable checkpoint, restored straight into this run's shardings (another mesh or
     process count needs no conversion); (None, None) when the run starts fresh."""
     cfg, init = self.cfg, self.init
-    check = ResumeCheck(cfg, self.workdir, ckpt.directory, layout.task.shape_fields, layout.layer_order, tok, log)
+    check = ResumeCheck(cfg, self.workdir, ckpt.directory, layout.task.shape_fields, layout.layer_order, tok, inputs,
+                        log)
     start, state, resumed_meta = ckpt.restore_latest(layout.state_abstract, cfg.checkpoint_fallback, check)
     if start is not None and cfg.init_from:
       log(f"init_from={cfg.init_from!r} is ignored: {self.workdir} has checkpoints of its own, resuming from step "
@@ -140,10 +171,11 @@ class Resume:
     if self.init is not None:
       self.init_record = self.init.describe()
 
-  def checkpoint_meta(self, layout, tok) -> dict:
+  def checkpoint_meta(self, layout, tok, inputs: dict) -> dict:
     """What every checkpoint of this run records besides the data position: what ResumeCheck reads back (config,
-    task, layer order, tokenizer) and, for a fine-tuning run, where its parameters came from."""
+    task, layer order, tokenizer, the data files' contents) and, for a fine-tuning run, where its parameters came
+    from."""
     cfg = self.cfg
-    return {"config": cfg.to_dict(), "task": cfg.task, "layer_order": layout.layer_order,
+    return {"config": cfg.to_dict(), "task": cfg.task, "layer_order": layout.layer_order, "data_inputs": inputs,
             **({"tokenizer": tok.describe()} if tok is not None else {}),
             **({"init_from": self.init_record} if self.init_record else {})}

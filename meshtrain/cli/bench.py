@@ -50,8 +50,7 @@ def main(argv: list[str]) -> int:
                     "a config with a TFDS dataset (e.g. configs/tiny_bpe.py)")
   from meshtrain import loop  # JAX loads only now: an argument mistake is refused in a fraction of a second
   from meshtrain.analysis import throughput  # likewise
-  result = throughput.data_throughput(cfg, args.data_seconds) if args.data_only else {}
-  result.update(throughput.bench(cfg, args.steps, args.warmup, args.tokens))
+  result = throughput.bench(cfg, args.steps, args.warmup, args.tokens, args.data_seconds if args.data_only else 0)
   if args.data_only:
     result["data_headroom"] = result["data_tokens_per_sec"] / result["tokens_per_sec"]
   if args.loop:

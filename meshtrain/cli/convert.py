@@ -10,13 +10,15 @@ tokenizer, loadable by transformers' AutoModelForCausalLM and AutoTokenizer. Bot
 free memory converts) and leave nothing behind when they fail: meshtrain/interop/hf.py, which does the work.
 
 Exit codes: 0 done, 2 a user mistake (a family or field that does not convert, weights that do not match their
-config.json, an output that exists, a model the other format cannot hold), one `error:` line; 130 interrupted
-(Ctrl-C, acted on between tensors: the output is removed, nothing is left behind).
+config.json, an output that exists, a model the other format cannot hold, too little disk space for the output,
+checked before writing) or a write the operating system refused, one `error:` line; 130 interrupted (Ctrl-C,
+SIGTERM or SIGHUP, acted on between tensors: the output is removed, nothing is left behind; what a SIGKILL leaves
+is removed by the next conversion).
 """
 import sys
 
 from meshtrain import cli
-from meshtrain.errors import ArgumentParser
+from meshtrain.errors import ArgumentParser, UserError
 from meshtrain.interop import hf
 
 
@@ -41,6 +43,9 @@ def main(argv: list[str]) -> int:
     print(f"interrupted: nothing was written ({args.workdir if args.command == 'from-hf' else args.out} was left as "
           "it was)", file=sys.stderr)
     return 130
+  except OSError as e:  # the machine, not the input: a disk that filled up meanwhile, a file system that refuses
+    raise UserError(f"{args.command} failed writing {e.filename or 'its output'}: {e.strerror or e}; nothing was "
+                    "written (the partial output was removed)") from None
 
 
 def convert(args) -> int:

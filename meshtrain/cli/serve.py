@@ -18,11 +18,26 @@ devices. SIGTERM stops accepting (503), lets the requests in flight finish withi
 Exit codes: 0 stopped, 2 a bad argument or workdir (one `error:` line, before JAX starts).
 """
 import pathlib
+import socket
 import sys
 
 from meshtrain import cli, config as config_lib
 from meshtrain.errors import ArgumentParser, UserError
 from meshtrain.inference import dit_request
+
+
+def check_port(host: str, port: int) -> None:
+  """Refuses, before the model loads, an address this process cannot listen on (the port in use, a host that is
+  not this machine's). Another process may still take the port before uvicorn binds it; that is uvicorn's error."""
+  if port == 0:
+    return
+  try:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket does not count
+      s.bind((host, port))
+  except OSError as e:
+    raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}; pass another --port (0: a free one), or "
+                    "stop what holds it") from None
 
 
 def parse_args(argv: list[str]):
@@ -58,6 +73,7 @@ def parse_args(argv: list[str]):
       raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
   if args.max_len is not None and args.max_len < 2:
     raise UserError(f"--max-len {args.max_len} must be at least 2 (one prompt token and one new token)")
+  check_port(args.host, args.port)
   workdir = pathlib.Path(args.workdir).expanduser()
   from meshtrain import checkpoint  # Orbax (and JAX): only once the arguments are checked
   step, meta = checkpoint.run_meta(args.workdir, args.step, "a training run or of a converted model")

@@ -36,6 +36,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 
@@ -44,6 +45,7 @@ import tqdm
 from meshtrain import config
 from meshtrain.data import tfds_access
 from meshtrain.errors import UserError
+from meshtrain.runtime import host
 
 SUFFIXES = config.FILE_SUFFIXES
 MANIFEST = "meshtrain_files.json"
@@ -521,9 +523,19 @@ def converted(corpus: Corpus, write: Callable[[pathlib.Path], dict], what: str) 
   return json.loads(manifest_path.read_text())
 
 
+def _clear_dead_conversions(parent: pathlib.Path) -> None:
+  """Removes the temporary directories of this host's conversions whose process is gone (killed with -9: nothing
+  ran its cleanup). Called under the conversion's lock; another host's are left to it."""
+  for tmp in parent.glob(f".{VERSION}.tmp-{socket.gethostname()}-*"):
+    if not host.process_alive(tmp.name.removeprefix(f".{VERSION}.tmp-{socket.gethostname()}-").split("-")[0]):
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _convert_into_place(corpus: Corpus, write: Callable[[pathlib.Path], dict], what: str) -> None:
   corpus.version_dir.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{VERSION}.tmp", dir=corpus.version_dir.parent))
+  _clear_dead_conversions(corpus.version_dir.parent)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{VERSION}.tmp-{socket.gethostname()}-{os.getpid()}-",
+                                      dir=corpus.version_dir.parent))
   try:
     manifest = write(tmp)
     # The manifest last: its presence is what says the conversion is whole.

@@ -5,12 +5,15 @@ dataset's train split the first time and cached). `make_source` picks the source
 task=dit (meshtrain/data/images.py), random tokens for data.name=synthetic (sources.py), prompt/completion rows for
 data.format=prompt_completion (sft.py), and otherwise documents packed into sequences (packing.py).
 """
+import hashlib
 import re
 import time
 
 from meshtrain import config as config_lib
-from meshtrain.data import images, mixture, packing, sources, tfds_access, tokenization as tokenizer
+from meshtrain.data import files, images, mixture, packing, sources, tfds_access, tokenization as tokenizer
 from meshtrain.errors import UserError
+
+LISTED_FILES = 1000
 
 
 def tokenizer_for_config(cfg) -> tokenizer.Tokenizer:
@@ -87,3 +90,29 @@ def _one_source(cfg, name: str, split: str, shuffle: bool, tok) -> sources.Sourc
   return packing.TfdsSource(ds, name=name, split=split, text_key=data.text_key, seq_len=cfg.seq_len, seed=cfg.seed,
                             shuffle=shuffle, index_dir=tfds_access.index_dir(ds), tok=tok,
                             order_key=packing.order_name(name, ds), tokenize_workers=data.tokenize_workers)
+
+
+def input_files(cfg) -> dict[str, dict]:
+  """The content of every file the run reads, by the data path (or glob) naming it: {spec: {files: count, digest: of
+  the contents, listed: [{path, bytes, sha256}]}}
+  over data.name (or data.mixture's paths) and data.eval_name. Every checkpoint records it, so a run resumed on edited,
+  added or removed files is refused (meshtrain/checkpoint/resume.py) rather than continued on another corpus. The
+  hashes come from the cache the conversion keeps (by path, size, mtime and inode): an unchanged file is not read."""
+  data = cfg.data
+  specs = [n for n, _ in config_lib.parse_mixture(data.mixture)] if data.mixture else [data.name]
+  specs = [s for s in dict.fromkeys(specs + [data.eval_name]) if s and config_lib.is_path(s)]
+  found = {}
+  for spec in specs:
+    if cfg.get("task", "lm") in ("dit", "t2i"):
+      from meshtrain.data import captioned  # pylint: disable=g-import-not-at-top  (Pillow: not on GPU machines)
+      paths, cache = captioned.inputs(spec), files.data_root(data.data_dir) / "meshtrain_images" / "hashes"
+    else:
+      paths = [p for item in files.find_inputs(spec) for p in item.parts]
+      cache = files.data_root(data.data_dir) / "meshtrain_files" / "hashes"
+    listed = [{"path": str(p), "bytes": p.stat().st_size,
+               "sha256": files.input_hash(files.Input("file", p, (p,)), cache)} for p in paths]
+    digest = hashlib.sha256("\0".join(sorted(f["sha256"] for f in listed)).encode()).hexdigest()
+    # Each file listed (to name what changed) up to LISTED_FILES: a folder of a million pictures is one digest.
+    found[spec] = {"files": len(listed), "digest": digest,
+                   **({"listed": listed} if len(listed) <= LISTED_FILES else {})}
+  return found

@@ -66,7 +66,12 @@ def build(data_dir: str, builder_class):
 
 
 def _where(data_dir: str) -> str:
-  return f"data.data_dir={data_dir!r}" if data_dir else "the default TFDS data_dir (~/tensorflow_datasets)"
+  """Where TFDS looks for `data_dir`: TFDS's own default follows $TFDS_DATA_DIR."""
+  if data_dir:
+    return f"data.data_dir={data_dir!r}"
+  if os.environ.get("TFDS_DATA_DIR"):
+    return f"$TFDS_DATA_DIR ({os.environ['TFDS_DATA_DIR']}; data.data_dir is unset)"
+  return "the default TFDS data_dir (~/tensorflow_datasets)"
 
 
 def open_tfds(name: str, split: str, data_dir: str):

@@ -60,9 +60,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain import sharding
+from meshtrain import layout, sharding
 from meshtrain.errors import UserError
-from meshtrain.inference.generator import drawable, place
+from meshtrain.inference.generator import drawable, kv_cache_bytes, place
 from meshtrain.inference.sampling import Sampling, bucket
 from meshtrain.models.llama import init_cache
 from meshtrain.runtime import startup
@@ -119,6 +119,7 @@ class Request:
   stop: tuple[str, ...] = ()
   logprobs: int | None = None  # each new token's logprob and this many of the most likely (0-20); None: none
   echo: bool = False           # the prompt's logprobs too (its first token has none); max_tokens may then be 0
+  prompt_top: int = 0          # with echo: at least this many of the most likely per prompt token (and `logprobs`)
   ignore_eos: bool = False     # the end-of-sequence token does not end it (it is kept, and shows no text)
   stop_token_ids: tuple[int, ...] = ()  # tokens that end it as its end-of-sequence token does
   # The logits it samples from (`processed`): {id: bias} added; presence and frequency penalties over its new
@@ -137,6 +138,7 @@ class Request:
   top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
   prompt_logprobs: list = dataclasses.field(default_factory=list)
   prompt_top_logprobs: list = dataclasses.field(default_factory=list)
+  prompt_ranks: list = dataclasses.field(default_factory=list)  # each prompt token's rank (1: the most likely)
   text: str = ""               # the completion's text (up to a stop string, which is left out)
   finish_reason: str | None = None
   submitted_at: float = 0.0
@@ -328,6 +330,16 @@ class Plan:
     return plan
 
 
+def most_padding(max_len: int) -> int:
+  """The most a prompt shorter than max_len is padded to its bucket (bucket(n) - n at each bucket's first n: a
+  few dozen buckets, where every n up to a context of 10^9 never finished)."""
+  worst, n = 0, 1
+  while n < max_len:
+    worst = max(worst, bucket(n) - n)
+    n = bucket(n) + 1
+  return worst
+
+
 def tops(ids_LA, logprobs_LA, k: int) -> list:
   """Per position, its k most likely (id, logprob) pairs, from a step's TOP_LOGPROBS."""
   return [list(zip(i[:k].tolist(), lp[:k].tolist())) for i, lp in zip(ids_LA, logprobs_LA)]
@@ -373,7 +385,8 @@ class Engine:
     # A prompt of n tokens takes its bucket's P slots (P - n: up to 15 up to 128 tokens, a quarter of n past that),
     # then every new token but the last writes one: P + max_len - n - 1 slots, under max_len + the most any bucket
     # pads, and the longest bucket fits too. No longer than that (not max_bucket + max_len: 1.8x the memory).
-    self.cache_len = max(self.max_len + max(bucket(n) - n for n in range(1, self.max_len)), self.max_bucket)
+    self.cache_len = max(self.max_len + most_padding(self.max_len), self.max_bucket)
+    self._check_cache_fits()
     # The decode programs' attention spans (`Plan.attend`): each call attends over the fewest of these that holds
     # every busy row's slots, not over the context: 64, 96, 128, 192, ... while a quarter of the row or more is
     # left out, then the row.
@@ -404,9 +417,10 @@ class Engine:
     self.step_s: float | None = None  # process 0: a decode step's time, measured as calls are read (moving average)
     self.read_at = 0.0  # process 0: when the last call's tokens were read
     # Before the first request (`run`, `follow`), `warm()` compiles every program one can need, when `warm_first`:
-    # `ready` says whether that is done, `warmed` of `programs()` how far it is.
+    # `ready` says whether that is done, `warmed` of `to_warm` how far it is (counted once: /health is polled).
     self.ready, self.warmed = not warm_first, 0
     self._build()
+    self.to_warm = len(self.programs())
 
   # --- compiled programs ---
 
@@ -529,8 +543,13 @@ class Engine:
       if echo:  # column j's logits score the prompt's token j + 1: [R, P - 1] and [R, P - 1, A]
         chosen, top_id, top_lp = logprobs_rows(logits_RLV[:, :-1].reshape(R * (P - 1), -1),
                                                tokens_RP[:, 1:].reshape(-1), jnp.ones(1, bool), g.num_ids)
+        # Each prompt token's rank among the ids the sampler can draw (vLLM's prompt_logprobs give it): 1 + how
+        # many are likelier.
+        scores_RLV = logits_RLV[:, :-1].astype(jnp.float32)
+        mine_RL1 = jnp.take_along_axis(scores_RLV, tokens_RP[:, 1:, None], axis=-1)
+        rank = 1 + jnp.sum(drawable(scores_RLV, g.num_ids) > mine_RL1, axis=-1, dtype=jnp.int32)
         out.update(prompt_logprob=chosen.reshape(R, P - 1), prompt_top_id=top_id.reshape(R, P - 1, -1),
-                   prompt_top_logprob=top_lp.reshape(R, P - 1, -1))
+                   prompt_top_logprob=top_lp.reshape(R, P - 1, -1), prompt_rank=rank)
       # Each prompt's P slots go to the front of its slot's row (a scatter over the rows: one call for them all).
       insert = lambda full, new: (tuple(f.at[slot_R, :, :P].set(n, mode="drop") for f, n in zip(full, new))
                                   if isinstance(full, tuple) else full.at[:, slot_R, :, :P].set(new, mode="drop"))
@@ -552,6 +571,17 @@ class Engine:
       return jax.jit(prefill, donate_argnums=1, out_shardings=(self.state_shardings, self.replicated)).lower(
           *args).compile()
 
+  def _check_cache_fits(self) -> None:
+    """Refuses, before anything is compiled or allocated, slots whose KV cache (keys and values of every layer for
+    every slot's cache_len positions, split over the mesh at best) and per-slot [V] arrays cannot fit a device."""
+    c, mesh = self.gen.model_cfg, self.gen.mesh
+    per_device = (kv_cache_bytes(c, self.slots, self.cache_len) + 3 * self.slots * c.vocab_size * 4) // mesh.size
+    capacity, source = layout.device_memory(mesh)
+    if per_device > capacity:
+      raise UserError(f"{self.slots} slots of a {self.max_len:,}-token context (--slots, --max-len) need a KV cache "
+                      f"of {per_device / 1e9:,.1f} GB per device, more than the {capacity / 1e9:,.1f} GB a device "
+                      f"has ({source}); lower --max-len or --slots, or spread the model over more devices")
+
   def programs(self, longest: int | None = None) -> list[tuple]:
     """Every program a request of up to `longest` prompt tokens (default: the context) can need: ("prefill", P,
     rows, echo) for each bucket, and ("decode", steps, attend, rows) for each call length, span and row count."""
@@ -567,8 +597,9 @@ class Engine:
     any request), counting them in `warmed`: a program's first run costs more than the next (its buffers are
     allocated; 4-12 ms more for the tiny model's), which would land in the first requests' latency. The runs change
     no slot a request could hold: no slot holds one yet, and the prefills' rows are all past the slots (dropped)."""
-    self.warmed = 0
-    for kind, *key in self.programs(longest):
+    programs = self.programs(longest)
+    self.warmed, self.to_warm = 0, len(programs)
+    for kind, *key in programs:
       if kind == "prefill":
         P, R, echo = key
         self._prefill_rows(P, [], echo, R)
@@ -592,6 +623,8 @@ class Engine:
       raise UserError(f"max_tokens {request.max_tokens} must be at least {0 if request.echo else 1}")
     if request.logprobs is not None and not 0 <= request.logprobs <= TOP_LOGPROBS:
       raise UserError(f"logprobs {request.logprobs} must be between 0 and {TOP_LOGPROBS}")
+    if not 0 <= request.prompt_top <= TOP_LOGPROBS:
+      raise UserError(f"prompt_logprobs {request.prompt_top} must be between 0 and {TOP_LOGPROBS}")
     self.check_processing(request)
     vocab = self.gen.model_cfg.vocab_size
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
@@ -805,8 +838,10 @@ class Engine:
           if request.echo:  # the prompt's token j + 1 is scored by column P - n + j
             cols = slice(P - len(ids), P - 1)
             request.prompt_logprobs = [None, *out["prompt_logprob"][r, cols].tolist()]
+            k = max(request.logprobs or 0, request.prompt_top)
             request.prompt_top_logprobs = [None, *tops(out["prompt_top_id"][r, cols],
-                                                       out["prompt_top_logprob"][r, cols], request.logprobs or 0)]
+                                                       out["prompt_top_logprob"][r, cols], k)]
+            request.prompt_ranks = [None, *out["prompt_rank"][r, cols].tolist()]
           if request.limit == 0:  # the prompt's logprobs alone (echo with max_tokens 0)
             self._finish(slot, "length")
             continue

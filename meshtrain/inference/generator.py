@@ -41,6 +41,11 @@ from meshtrain.runtime import startup
 # costs nothing measurable in a step that streams every weight anyway. Prefill keeps its own rows (its work grows
 # with them); its state is padded at its end.
 DECODE_MIN_ROWS = 2
+def kv_cache_bytes(c, rows: int, slots: int) -> int:
+  """The bytes of a KV cache of `rows` rows of `slots` positions: keys and values of every layer (model fields c)."""
+  return 2 * c.num_layers * rows * c.num_kv_heads * slots * c.head_dim * jnp.dtype(c.dtype).itemsize
+
+
 def drawable(x_XV, num_ids: int | None):
   """x (logits or logprobs over the vocabulary, last axis) with the ids >= num_ids at -inf: the ids a sampler may
   draw (a vocabulary padded past its tokenizer's has ids that stand for nothing). Unchanged when num_ids is None."""
@@ -300,9 +305,7 @@ class Generator:
     """Refuses, before compiling, a generation whose KV cache (keys and values of every layer for B rows of S
     slots, split over the mesh's batch and kv-head axes at best) cannot fit in a device's memory: a long
     --max-new-tokens with a large --max-len would otherwise end in an allocator failure."""
-    c = self.model_cfg
-    per_device = (2 * c.num_layers * B * c.num_kv_heads * S * c.head_dim * jnp.dtype(c.dtype).itemsize
-                  + B * T * 4) // self.mesh.size
+    per_device = (kv_cache_bytes(self.model_cfg, B, S) + B * T * 4) // self.mesh.size
     capacity, source = layout.device_memory(self.mesh)
     if per_device > capacity:
       raise UserError(f"{B} prompt row(s) of up to {S + 1:,} tokens (prompt + --max-new-tokens, within --max-len) "

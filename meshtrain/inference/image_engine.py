@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import io
 import math
+import re
 import secrets
 import sys
 import threading
@@ -119,7 +120,8 @@ class ImageEngine:
     (any case). UserError listing the classes otherwise."""
     text = str(prompt).strip()
     names = self.class_names or []
-    if text.lstrip("-").isdigit() and int(text) in range(self.num_classes):
+    # ASCII digits only, and few: str.isdigit() takes "²" and "٣", which int() refuses or reads as 3.
+    if re.fullmatch(r"[0-9]{1,9}", text) and int(text) < self.num_classes:
       return int(text)
     lowered = [n.lower() for n in names]
     if text.lower() in lowered:

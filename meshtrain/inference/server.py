@@ -17,23 +17,22 @@ import json
 import sys
 import threading
 import time
+import traceback
 import uuid
 
 import numpy as np
 import prometheus_client as prom
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from meshtrain.data.chat import ChatTemplate
 from meshtrain.errors import UserError
-from meshtrain.inference import engine as engine_lib, image_engine
+from meshtrain.inference import engine as engine_lib, image_engine, protocol
 
 MAX_BODY_BYTES = 1 << 20
-MAX_N = 8
-MAX_STOP = 4
 RETRY_AFTER_S = 1
 # How long a Python thread may hold the GIL while another waits for it (the interpreter's default is 5 ms). The
 # engine thread wants it back each time a device call returns, while the event loop's thread is writing responses:
@@ -70,6 +69,7 @@ class Asked:
   include_usage: bool
   logprobs: int | None    # the most likely alternatives each token's logprobs list (None: no logprobs)
   echo: bool              # completions: the prompt's text and logprobs first
+  prompt_logprobs: int | None  # vLLM's: each prompt token's logprob, rank and this many alternatives (None: none)
   ignore_eos: bool
   stop_token_ids: tuple[int, ...]
   processing: dict        # logit_bias, presence/frequency/repetition_penalty, min_tokens: engine.Request's fields
@@ -78,7 +78,7 @@ class Asked:
 # Fields that would change the result and that the engine does not apply: refused (400 naming the field) unless
 # they hold their neutral value, never ignored. Those that cannot change the tokens (`user`, `stream_options`
 # extras, `metadata`, ...) are ignored as OpenAI's own server ignores what it does not use.
-UNSUPPORTED = {"suffix": "", "prompt_logprobs": None, "response_format": None,
+UNSUPPORTED = {"suffix": "", "response_format": None,
                "guided_json": None, "guided_regex": None, "guided_choice": None, "min_p": 0,
                "length_penalty": 1, "use_beam_search": False, "logits_processors": None}
 
@@ -134,17 +134,12 @@ def busy(full: Exception) -> ApiError:
                   headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def number(body: dict, name: str, kind, default, low=None, high=None):
-  """body[name] as `kind` (int or float) within [low, high]; ApiError 400 otherwise."""
-  value = body.get(name)
-  if value is None:
-    return default
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-    raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, not {value!r}", param=name)
-  if (low is not None and value < low) or (high is not None and value > high):
-    bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-    raise ApiError(400, f"{name} {value} must be {bounds}", param=name)
-  return kind(value)
+def parse(model, body: dict):
+  """`body` as its pydantic model (meshtrain/inference/protocol.py); a 400 naming the field otherwise."""
+  try:
+    return protocol.parse(model, body)
+  except protocol.Invalid as e:
+    raise ApiError(400, str(e), param=e.param) from None
 
 
 class Server:
@@ -174,7 +169,8 @@ class Server:
         Route("/metrics", self.prometheus, methods=["GET"]),
         Route("/v1/completions", self.completions, methods=["POST"]),
         Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        Route("/v1/images/generations", self.images, methods=["POST"])],
+        Route("/v1/images/generations", self.images, methods=["POST"]),
+        Route("/openapi.json", self.openapi, methods=["GET"])],
         exception_handlers={404: self.no_route, 405: self.no_route})
     self.makes_images = isinstance(engine, image_engine.ImageEngine)
 
@@ -236,7 +232,7 @@ class Server:
 
   async def model(self, http: HttpRequest) -> Response:
     def one(_):
-      self.check_model({"model": http.path_params["model"]})
+      self.check_model(http.path_params["model"])
       return JSONResponse(self.model_card())
     return await self.guarded(http, one, counts=False)
 
@@ -245,6 +241,11 @@ class Server:
 
   async def detokenize(self, http: HttpRequest) -> Response:
     return await self.guarded(http, self.text_of, counts=False)
+
+  async def openapi(self, http: HttpRequest) -> Response:
+    """The API's OpenAPI document, from the request models (meshtrain/inference/protocol.py)."""
+    return await self.guarded(http, lambda _: JSONResponse(protocol.openapi("meshtrain", self.model_name)),
+                              counts=False)
 
   async def tokenizer_info(self, http: HttpRequest) -> Response:
     return await self.guarded(http, self.describe_tokenizer, counts=False)
@@ -261,7 +262,7 @@ class Server:
     and 503 `draining` after SIGTERM."""
     if not self.ready:
       return JSONResponse({"status": "warming", "programs_compiled": self.engine.warmed,
-                           "programs": len(self.engine.programs())}, status_code=503)
+                           "programs": self.engine.to_warm}, status_code=503)
     status = 503 if self.draining else 200
     return JSONResponse({"status": "draining" if self.draining else "ok", "busy_slots": self.engine.busy,
                          "queue": self.engine.queued}, status_code=status)
@@ -272,7 +273,7 @@ class Server:
     return getattr(self.engine, "ready", True)
 
   def warming(self) -> str:
-    return f"{self.engine.warmed} of {len(self.engine.programs())} programs compiled"
+    return f"{self.engine.warmed} of {self.engine.to_warm} programs compiled"
 
   async def prometheus(self, http: HttpRequest) -> Response:
     return await self.guarded(http, lambda _: self.metrics_text(), counts=False)
@@ -308,20 +309,29 @@ class Server:
     except ApiError as e:
       self.metrics.rejected.labels(str(e.status)).inc()
       return e.response()
+    except Exception:  # a defect of the server, never of the request: its traceback in the log, counted, JSON
+      traceback.print_exc()
+      self.metrics.rejected.labels("500").inc()
+      return ApiError(500, "internal error (the server's log has the traceback)", "server_error").response()
 
   @staticmethod
   async def body(http: HttpRequest) -> dict:
     if int(http.headers.get("content-length") or 0) > MAX_BODY_BYTES:
       raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
     raw = b""
-    async for chunk in http.stream():
-      raw += chunk
-      if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+      async for chunk in http.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+          raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:  # gone mid-body: nobody reads an answer (499, nginx's "client closed request")
+      raise ApiError(499, "the client disconnected before sending the whole body") from None
     try:
       body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ApiError(400, f"the request body is not JSON: {e}") from None
+    except RecursionError:  # 1 MiB of "[[[[...": deeper than Python's parser goes
+      raise ApiError(400, "the request body is nested too deeply to be a request") from None
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
     return body
@@ -342,15 +352,16 @@ class Server:
     the run's completions add one."""
     if self.makes_images:
       raise ApiError(400, "this server serves an image run: it has no tokenizer")
-    self.check_model(body)
-    if "messages" in body:
-      [ids] = self.prompts_of(body, chat=True)
+    req = parse(protocol.TokenizeRequest, body)
+    self.check_model(req.model)
+    if req.messages is not None:
+      [ids] = self.prompts_of(req, chat=True)
     else:
-      if not isinstance(body.get("prompt"), str):
+      if req.prompt is None:
         raise ApiError(400, "prompt must be a string (or send messages)", param="prompt")
       gen = self.engine.gen
-      ids = gen.tokenizer.encode_with_specials(body["prompt"]).tolist()
-      if gen.add_bos and body.get("add_special_tokens", True) is not False:
+      ids = gen.tokenizer.encode_with_specials(req.prompt).tolist()
+      if gen.add_bos and req.add_special_tokens:
         ids = [gen.tokenizer.bos_id, *ids]
     return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids})
 
@@ -374,15 +385,14 @@ class Server:
     """vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": TEXT}."""
     if self.makes_images:
       raise ApiError(400, "this server serves an image run: it has no tokenizer")
-    self.check_model(body)
-    tokens, vocab = body.get("tokens"), self.engine.gen.model_cfg.vocab_size
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                               for t in tokens):
+    req = parse(protocol.DetokenizeRequest, body)
+    self.check_model(req.model)
+    tokens, vocab = req.tokens, self.engine.gen.model_cfg.vocab_size
+    if any(t >= vocab for t in tokens):
       raise ApiError(400, f"tokens must be a list of token ids 0..{vocab - 1}", param="tokens")
     return JSONResponse({"prompt": self.engine.gen.tokenizer.decode(np.asarray(tokens, np.int32))})
 
-  def check_model(self, body: dict) -> None:
-    model = body.get("model")
+  def check_model(self, model: str | None) -> None:
     # RUN, or RUN@STEP of any step: a client that read /v1/models before a newer checkpoint was swapped in still
     # reaches the run (the response's `model` names the step that answered).
     if model is not None and model != self.served_name and not (
@@ -397,28 +407,27 @@ class Server:
     if not self.makes_images:
       raise ApiError(400, "this server serves a language model: use /v1/completions or /v1/chat/completions "
                           "(/v1/images/generations serves image runs)")
-    self.check_model(body)
-    if body.get("response_format", "b64_json") != "b64_json":
+    req = parse(protocol.ImageGenerationRequest, body)
+    self.check_model(req.model)
+    if req.response_format not in (None, "b64_json"):
       raise ApiError(400, "response_format must be b64_json (the images come back in the response; there are no "
                           "URLs to fetch them from)", param="response_format")
     height, width, _ = self.engine.image_shape
-    if body.get("size") not in (None, "auto", f"{width}x{height}"):
-      raise ApiError(400, f"size {body.get('size')!r}: this model draws {width}x{height} images", param="size")
+    if req.size not in (None, "auto", f"{width}x{height}"):
+      raise ApiError(400, f"size {req.size!r}: this model draws {width}x{height} images", param="size")
     prompts = isinstance(self.engine, image_engine.PromptEngine)
-    if not isinstance(body.get("prompt"), (str, int)) or isinstance(body.get("prompt"), bool):
-      raise ApiError(400, "prompt must be " + ("the text to draw" if prompts else "a class: its id or its name"),
-                     param="prompt")
-    if not prompts and ({"steps", "guidance"} & set(body)):
+    if prompts and not isinstance(req.prompt, str):
+      raise ApiError(400, "prompt must be the text to draw", param="prompt")
+    if not prompts and (req.steps is not None or req.guidance is not None):
       raise ApiError(400, "steps and guidance are set per request for text-to-image runs only; this DiT samples with "
-                          "its run's", param="steps" if "steps" in body else "guidance")
+                          "its run's", param="steps" if req.steps is not None else "guidance")
+    if req.n > self.engine.max_n:
+      raise ApiError(400, f"n {req.n} must be between 1 and {self.engine.max_n}", param="n")
     loop = asyncio.get_running_loop()
     finished = asyncio.Event()
     try:
-      request = image_engine.ImageRequest(self.engine.condition_of(body["prompt"]),
-                                          n=number(body, "n", int, 1, 1, self.engine.max_n),
-                                          seed=number(body, "seed", int, None, 0, 2**32 - 1),
-                                          steps=number(body, "steps", int, None, 1, image_engine.MAX_STEPS),
-                                          guidance=number(body, "guidance", float, None, 0, 100),
+      request = image_engine.ImageRequest(self.engine.condition_of(req.prompt), n=req.n, seed=req.seed,
+                                          steps=req.steps, guidance=req.guidance,
                                           on_done=lambda _: loop.call_soon_threadsafe(finished.set))
       self.engine.submit(request)
     except UserError as e:
@@ -444,33 +453,25 @@ class Server:
 
   # --- completions ---
 
-  def prompts_of(self, body: dict, chat: bool) -> list[list[int]]:
+  def prompts_of(self, req, chat: bool) -> list[list[int]]:
     """The token ids of the request's prompt(s): `messages` rendered by the chat template, or `prompt` (a string,
     a list of strings, a list of ids or a list of lists of ids)."""
     if chat:
-      messages = body.get("messages")
-      if not isinstance(messages, list) or not messages or not all(
-          isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise ApiError(400, "messages must be a non-empty list of {\"role\": ..., \"content\": ...}", param="messages")
-      messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+      messages = [m.model_dump(exclude_none=True) for m in req.messages]
       for m in messages:
         if isinstance(m.get("content"), list):  # content parts: their text joined
-          m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+          m["content"] = "".join(p.get("text") or "" for p in m["content"])
       if self.chat is None:
         try:
           self.chat = ChatTemplate.for_workdir(self.workdir)
         except UserError as e:
           raise ApiError(400, str(e).replace(" --messages", " chat messages"), param="messages") from None
       try:
-        return [self.chat.encode(self.chat.render(messages, tools=body.get("tools")))]
+        return [self.chat.encode(self.chat.render(messages, tools=req.tools))]
       except UserError as e:
         raise ApiError(400, f"the chat template refused the conversation: {e}", param="messages") from None
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt)):
-      prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt or not all(
-        isinstance(p, str) or (isinstance(p, list) and all(isinstance(x, int) for x in p)) for p in prompt):
-      raise ApiError(400, "prompt must be a string, a list of strings or a list of token ids", param="prompt")
+    prompt = req.prompt
+    prompt = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
     try:
       return [ids.tolist() for ids in self.engine.gen.encode(prompt)]
     except UserError as e:
@@ -479,7 +480,8 @@ class Server:
   def asked(self, body: dict, chat: bool) -> Asked:
     if self.makes_images:
       raise ApiError(400, "this server serves a DiT run: use /v1/images/generations")
-    self.check_model(body)
+    req = parse(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest, body)
+    self.check_model(req.model)
     for name, neutral in UNSUPPORTED.items():
       if name == "tools" and chat:
         continue  # rendered by the chat template
@@ -487,66 +489,51 @@ class Server:
       if value is not None and value != neutral and not (name == "response_format" and value == {"type": "text"}):
         raise ApiError(400, f"{name} is not supported by this server, and ignoring it would change the result; "
                             "leave it out", param=name)
-    n = number(body, "n", int, 1, 1, MAX_N)
-    best_of = number(body, "best_of", int, None, 1)
-    if best_of is not None and best_of != n:
-      raise ApiError(400, f"best_of {best_of} is not supported (only best_of = n, {n}): this server returns every "
-                          "choice it samples", param="best_of")
+    if req.best_of is not None and req.best_of != req.n:
+      raise ApiError(400, f"best_of {req.best_of} is not supported (only best_of = n, {req.n}): this server returns "
+                          "every choice it samples", param="best_of")
     if chat:
-      top = number(body, "top_logprobs", int, None, 0, engine_lib.TOP_LOGPROBS)
-      if top is not None and body.get("logprobs") is not True:
+      if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-      if not isinstance(body.get("logprobs", False), bool) and body.get("logprobs") is not None:
-        raise ApiError(400, f"logprobs must be true or false, not {body['logprobs']!r}", param="logprobs")
-      logprobs = (top or 0) if body.get("logprobs") else None
+      logprobs = (req.top_logprobs or 0) if req.logprobs else None
+      if body.get("echo") not in (None, False):
+        raise ApiError(400, "echo is for /v1/completions; chat completions do not echo the conversation", param="echo")
+      echo, max_tokens = False, req.max_completion_tokens or req.max_tokens or self.engine.max_len
     else:
-      logprobs = number(body, "logprobs", int, None, 0, engine_lib.TOP_LOGPROBS)
-    echo = body.get("echo", False)
-    if chat and "echo" in body and echo not in (False, None):
-      raise ApiError(400, "echo is for /v1/completions; chat completions do not echo the conversation", param="echo")
-    for name in ("echo", "ignore_eos", "stream"):
-      if body.get(name) is not None and not isinstance(body[name], bool):
-        raise ApiError(400, f"{name} must be true or false, not {body[name]!r}", param=name)
-    if echo and body.get("stream"):
+      logprobs, echo, max_tokens = req.logprobs, req.echo, req.max_tokens
+      if max_tokens < (0 if echo else 1):
+        raise ApiError(400, f"max_tokens {max_tokens} must be at least 1 (0 only with echo, to score the prompt)",
+                       param="max_tokens")
+    if echo and req.stream:
       raise ApiError(400, "echo with stream is not supported: ask without stream for the prompt's logprobs",
-                      param="echo")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and
-                                                 0 <= i < self.engine.gen.model_cfg.vocab_size for i in stop_ids):
-      raise ApiError(400, "stop_token_ids must be a list of token ids of the model's vocabulary",
-                     param="stop_token_ids")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
-      raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP} strings", param="stop")
-    top_k = number(body, "top_k", int, 0, -1)
-    length_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    options = body.get("stream_options") or {}
-    return Asked(self.prompts_of(body, chat), number(body, length_key, int, 16 if not chat else
-                                                     self.engine.max_len, 0 if echo else 1),
-                 number(body, "temperature", float, 1.0, 0.0), number(body, "top_p", float, 1.0, 0.0, 1.0),
-                 max(top_k, 0), number(body, "seed", int, None, -2**63, 2**63 - 1 - MAX_N), tuple(s for s in stop if s),
-                 n, bool(body.get("stream")), isinstance(options, dict) and bool(options.get("include_usage")),
-                 logprobs, bool(echo), bool(body.get("ignore_eos")), tuple(stop_ids), self.processing_of(body))
-
-  def processing_of(self, body: dict) -> dict:
-    """The request's logits processing (engine.Request's fields), checked: OpenAI's bounds where it has them."""
-    bias = body.get("logit_bias") or {}
+                     param="echo")
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: they come with the whole response only
+      raise ApiError(400, "prompt_logprobs with stream is not supported: ask without stream",
+                     param="prompt_logprobs")
     vocab = self.engine.gen.model_cfg.vocab_size
-    try:
-      bias = {int(k): v for k, v in bias.items()} if isinstance(bias, dict) else None
-    except ValueError:
-      bias = None
-    if bias is None or len(bias) > engine_lib.MAX_BIAS or not all(
-        0 <= k < vocab and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
-        for k, v in bias.items()):
+    if any(i >= vocab for i in req.stop_token_ids or []):
+      raise ApiError(400, f"stop_token_ids must be token ids of the model's vocabulary (0..{vocab - 1})",
+                     param="stop_token_ids")
+    if not chat and not isinstance(req.prompt, str) and not isinstance(req.prompt[0], str) and any(
+        i >= vocab for ids in ([req.prompt] if isinstance(req.prompt[0], int) else req.prompt) for i in ids):
+      raise ApiError(400, f"the prompt has a token id outside the model's vocabulary 0..{vocab - 1}", param="prompt")
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    return Asked(self.prompts_of(req, chat), max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.seed,
+                 tuple(s for s in stop if s), req.n, req.stream, include_usage, logprobs, echo, req.prompt_logprobs,
+                 req.ignore_eos, tuple(req.stop_token_ids or ()), self.processing_of(req))
+
+  def processing_of(self, req) -> dict:
+    """The request's logits processing (engine.Request's fields): logit_bias's keys are token ids as strings."""
+    vocab = self.engine.gen.model_cfg.vocab_size
+    bias = req.logit_bias or {}
+    if len(bias) > engine_lib.MAX_BIAS or not all(key.isascii() and key.isdigit() and len(key) < 10
+                                                  and int(key) < vocab for key in bias):
       raise ApiError(400, f"logit_bias must map at most {engine_lib.MAX_BIAS} token ids (0..{vocab - 1}, as "
                           "strings) to biases between -100 and 100", param="logit_bias")
-    return {"logit_bias": {k: float(v) for k, v in bias.items()},
-            "presence_penalty": number(body, "presence_penalty", float, 0.0, -2.0, 2.0),
-            "frequency_penalty": number(body, "frequency_penalty", float, 0.0, -2.0, 2.0),
-            "repetition_penalty": number(body, "repetition_penalty", float, 1.0, 1e-6, 100.0),
-            "min_tokens": number(body, "min_tokens", int, 0, 0)}
+    return {"logit_bias": {int(k): float(v) for k, v in bias.items()}, "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
+            "min_tokens": req.min_tokens}
 
   async def complete(self, http: HttpRequest, body: dict, chat: bool) -> Response:
     asked = self.asked(body, chat)
@@ -565,7 +552,8 @@ class Server:
     requests = [engine_lib.Request(prompt_ids=ids, max_tokens=asked.max_tokens, temperature=asked.temperature,
                                    top_p=asked.top_p, top_k=asked.top_k,
                                    seed=None if asked.seed is None else asked.seed + j, stop=asked.stop,
-                                   logprobs=asked.logprobs, echo=asked.echo, ignore_eos=asked.ignore_eos,
+                                   logprobs=asked.logprobs, echo=asked.echo or asked.prompt_logprobs is not None,
+                                   prompt_top=asked.prompt_logprobs or 0, ignore_eos=asked.ignore_eos,
                                    stop_token_ids=asked.stop_token_ids, on_update=on_update, **asked.processing)
                 for ids in asked.prompts for j in range(asked.n)]
     try:
@@ -577,7 +565,7 @@ class Server:
                if f in str(e)]
       raise ApiError(400, str(e).replace("shorten the prompt", "shorten the prompt or lower max_tokens"),
                      param=named[0] if named else None) from None
-    reply = Reply(self, chat, requests, asked.logprobs is not None)
+    reply = Reply(self, chat, requests, asked)
     if asked.stream:
       return StreamingResponse(self.stream(reply, updates, asked.include_usage), media_type="text/event-stream")
     return await self.whole(http, reply, updates)
@@ -660,8 +648,9 @@ class Server:
 class Reply:
   """The OpenAI response objects for a request's choices."""
 
-  def __init__(self, server: Server, chat: bool, requests: list, wants_logprobs: bool = False):
-    self.server, self.chat, self.requests, self.wants_logprobs = server, chat, requests, wants_logprobs
+  def __init__(self, server: Server, chat: bool, requests: list, asked: Asked):
+    self.server, self.chat, self.requests, self.asked = server, chat, requests, asked
+    self.wants_logprobs = asked.logprobs is not None
     self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
 
@@ -699,23 +688,38 @@ class Reply:
     if echo:
       ids = request.prompt_ids + ids
       chosen = request.prompt_logprobs + chosen
-      tops = request.prompt_top_logprobs + tops
+      tops = [None if t is None else t[:self.asked.logprobs] for t in request.prompt_top_logprobs] + tops
     texts = [self.token_text(t) for t in ids]
     offsets = np.cumsum([0] + [len(t) for t in texts[:-1]]).tolist() if texts else []
     return {"tokens": texts, "token_logprobs": chosen, "text_offset": offsets,
             "top_logprobs": [None if top is None else {self.token_text(a): v for a, v in top} for top in tops]}
 
+  def prompt_logprobs(self, request) -> list:
+    """vLLM's prompt_logprobs: per prompt token (None for the first) {id: {logprob, rank, decoded_token}} for the
+    token itself and the `prompt_logprobs` most likely (ranks 1, 2, ...; once if the token is one of them)."""
+    k = self.asked.prompt_logprobs
+    entry = lambda lp, rank, t: {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)}
+    return [None] + [{t: entry(lp, rank, t), **{a: entry(v, j + 1, a) for j, (a, v) in enumerate(top[:k])}}
+                     for t, lp, rank, top in zip(request.prompt_ids[1:], request.prompt_logprobs[1:],
+                                                 request.prompt_ranks[1:], request.prompt_top_logprobs[1:])]
+
   def whole(self) -> dict:
+    scored = self.asked.prompt_logprobs is not None
     if self.chat:
       choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": self.logprobs(r),
                   "finish_reason": self.reason(r)} for i, r in enumerate(self.requests)]
     else:
       decode = self.server.engine.gen.tokenizer.decode
-      choices = [{"index": i, "text": (decode(np.asarray(r.prompt_ids, np.int32)) if r.echo else "") + r.text,
-                  "logprobs": self.logprobs(r, echo=r.echo), "finish_reason": self.reason(r)}
+      echo = self.asked.echo
+      choices = [{"index": i, "text": (decode(np.asarray(r.prompt_ids, np.int32)) if echo else "") + r.text,
+                  "logprobs": self.logprobs(r, echo=echo), "finish_reason": self.reason(r),
+                  **({"prompt_logprobs": self.prompt_logprobs(r)} if scored else {})}
                  for i, r in enumerate(self.requests)]
-    return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-            "model": self.model, "choices": choices, "usage": self.usage()}
+    out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+           "model": self.model, "choices": choices, "usage": self.usage()}
+    if scored and self.chat:  # vLLM's chat response has them once: every choice shares the conversation
+      out["prompt_logprobs"] = self.prompt_logprobs(self.requests[0])
+    return out
 
   def chunk(self, i: int, delta, reason, logprobs=None) -> dict:
     if self.chat:

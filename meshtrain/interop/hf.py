@@ -44,6 +44,7 @@ import numpy as np
 from meshtrain import checkpoint, config as config_lib
 from meshtrain.errors import UserError
 from meshtrain.interop import hf_config, hf_tokenizer, weights
+from meshtrain.runtime import host
 
 # A layer's tensors: HF name (after model.layers.N.; {x} is the expert), meshtrain parameter path in the layer,
 # how the HF tensor maps onto it (copy: as is; bias: [H*E] -> [H, E]; t: [out, in] -> [in, out...]; o: [D, H*E] ->
@@ -88,6 +89,14 @@ def layer_tensors(m: dict) -> tuple:
 # ----------------------------------------------------------------------------------------------------------------
 # Output directories: written beside the target under a temporary name, renamed into place when complete.
 
+def existing_parent(path: pathlib.Path) -> pathlib.Path:
+  """The nearest directory above `path` that exists: where it would be created."""
+  parent = path.absolute().parent
+  while not parent.exists():
+    parent = parent.parent
+  return parent
+
+
 def check_output(path: pathlib.Path, flag: str) -> None:
   """`path` may be created: absent, or an empty directory, with a writable parent."""
   if path.exists() or path.is_symlink():
@@ -96,19 +105,20 @@ def check_output(path: pathlib.Path, flag: str) -> None:
     if any(path.iterdir()):
       raise UserError(f"{flag} {str(path)!r} exists and is not empty; pass a new or empty directory (nothing was "
                       "overwritten)")
-  parent = path.absolute().parent
-  while not parent.exists():
-    parent = parent.parent
+  parent = existing_parent(path)
   if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
     raise UserError(f"{flag} {str(path)!r} cannot be created: {str(parent)!r} is not a writable directory")
 
 
 class Interrupts:
-  """Ctrl-C (SIGINT) during a conversion, noted by a handler and raised as KeyboardInterrupt at `check()` points in
-  the conversion's own code (between tensors, before the final rename). Raised wherever the main thread happens to
-  be, it could land inside Orbax's or TensorStore's waits, which swallowed it (the export finished, exit 0) or
-  turned it into their own traceback. Outside the main thread (no signal handler possible) check() does nothing."""
+  """Ctrl-C (SIGINT), SIGTERM or SIGHUP during a conversion, noted by a handler and raised as KeyboardInterrupt at
+  `check()` points in the conversion's own code (between tensors, before the final rename), so that the staged
+  directory is removed whatever signal ends it (SIGKILL cannot be caught: the next conversion removes what it
+  leaves, see staged()). Raised wherever the main thread happens to be, it could land inside Orbax's or
+  TensorStore's waits, which swallowed it (the export finished, exit 0) or turned it into their own traceback.
+  Outside the main thread (no signal handler possible) check() does nothing."""
   _pending = False
+  SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
   @classmethod
   @contextlib.contextmanager
@@ -117,11 +127,12 @@ class Interrupts:
       yield
       return
     cls._pending = False
-    previous = signal.signal(signal.SIGINT, lambda *_: setattr(cls, "_pending", True))
+    previous = {sig: signal.signal(sig, lambda *_: setattr(cls, "_pending", True)) for sig in cls.SIGNALS}
     try:
       yield
     finally:
-      signal.signal(signal.SIGINT, previous)
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
       cls._pending = False
 
   @classmethod
@@ -131,12 +142,24 @@ class Interrupts:
       raise KeyboardInterrupt
 
 
+def check_space(path: pathlib.Path, needed: int, what: str) -> None:
+  """Refuses, before anything is written, an output whose file system has less than `needed` bytes free."""
+  parent = existing_parent(path)
+  free = shutil.disk_usage(parent).free
+  if free < needed:
+    raise UserError(f"{what} needs {needed / 1e9:.2f} GB of disk space in {str(parent)!r}, which has "
+                    f"{free / 1e9:.2f} GB free; free some space or write elsewhere (nothing was written)")
+
+
 @contextlib.contextmanager
 def staged(target: pathlib.Path):
   """Yields a fresh directory beside `target` (same file system, so the final rename is atomic); renames it to
   `target` on success, removes it on any failure, Ctrl-C included (see Interrupts)."""
   target = target.absolute()
   target.parent.mkdir(parents=True, exist_ok=True)
+  for left in target.parent.glob(f".{target.name}.partial-*"):  # left by conversions killed with SIGKILL
+    if not host.process_alive(left.name.rpartition("-")[2]):
+      shutil.rmtree(left, ignore_errors=True)
   tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
   shutil.rmtree(tmp, ignore_errors=True)  # left by a killed earlier conversion with the same pid
   tmp.mkdir()
@@ -255,6 +278,11 @@ def from_hf(hf_dir: str, workdir: str) -> pathlib.Path:
   tokenizer_files = hf_tokenizer.tokenizer_files(src)
   tokenizer = hf_tokenizer.tokenizer_record(tokenizer_files, m["vocab_size"], src)
   cfg = _meshtrain_config(m, param_dtype, tokenizer_files, target)
+  itemsize = stored_dtype(param_dtype).itemsize
+  param_bytes = sum(math.prod(shape) * itemsize for shape in meshtrain_shapes(m).values())
+  # The staged arrays and the checkpoint written from them are on disk together, until the former are removed.
+  check_space(target, 2 * param_bytes + sum(f.stat().st_size for f in tokenizer_files) + (1 << 20),
+              f"converting {str(src)!r}")
 
   # Everything checked: from here on only the machine can fail, and the staged directory is removed if it does.
   with staged(target) as tmp:
@@ -275,19 +303,30 @@ def from_hf(hf_dir: str, workdir: str) -> pathlib.Path:
   return target
 
 
+def stored_dtype(param_dtype: str) -> np.dtype:
+  """The numpy dtype from-hf stores parameters of `param_dtype` ("bfloat16" or "float32") in."""
+  return np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
+
+
 def _read_weights(files: dict, m: dict, param_dtype: str, staging: pathlib.Path) -> dict:
   """The meshtrain parameter tree of the HF tensors in `files`, in np.memmap arrays under `staging`: each HF
   tensor is read, copied into its slot of the stacked array (transposed on the way) and dropped. Memory-mapped,
   the model is page cache the kernel writes back and drops under pressure, not memory the process holds: a model
   larger than the free memory converts."""
-  dtype = np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
+  dtype = stored_dtype(param_dtype)
   staging.mkdir()
   params = {}
   for path, shape in meshtrain_shapes(m).items():
     node = params
     for key in path[:-1]:
       node = node.setdefault(key, {})
-    node[path[-1]] = np.memmap(staging / ".".join(path), dtype, mode="w+", shape=shape)
+    file = staging / ".".join(path)
+    # Its blocks reserved now: a memory-mapped file that the disk cannot hold ends the process with SIGBUS when the
+    # page is written back; reserved, a full disk is an OSError here.
+    with open(file, "wb") as f:
+      if math.prod(shape):
+        os.posix_fallocate(f.fileno(), 0, math.prod(shape) * dtype.itemsize)
+    node[path[-1]] = np.memmap(file, dtype, mode="r+", shape=shape)
   expected = hf_tensors(m)
   by_file = {}
   for name in expected:
@@ -393,6 +432,10 @@ def _export(checkpoint, src: pathlib.Path, step: int | None, target: pathlib.Pat
       yield "lm_head.weight", _to_hf("t", read(("head",)))
 
   tok = hf_tokenizer.run_tokenizer(src, meta.get("tokenizer") or {})
+  size = lambda leaf: math.prod(leaf.shape) * dtype.itemsize
+  leaves = lambda tree: [x for v in tree.values() for x in (leaves(v) if isinstance(v, dict) else [v])]
+  untied_head = size(stored["embedding"]) if not tied and "head" not in stored else 0
+  check_space(target, sum(map(size, leaves(stored))) + untied_head + (1 << 20), f"exporting {str(src)!r}")
   with staged(target) as tmp:
     weights.write_safetensors(tmp, tensors())
     ids = hf_tokenizer.write_tokenizer(tmp, tok, src, meta["config"]["seq_len"])

@@ -52,6 +52,17 @@ def load(hf_dir: pathlib.Path) -> dict:
   return hf
 
 
+def positive(where: str, field: str, value, kind=float, zero: bool = False):
+  """A config.json field's value as `kind`, or a UserError naming it: a finite number above zero (or at it with
+  `zero`), an integer for int (JSON's 4096.0 is not one)."""
+  is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  if not is_number or (kind is int and not isinstance(value, int)) or value < 0 or (value == 0 and not zero):
+    sign = "non-negative" if zero else "positive"
+    raise UserError(f"{where!r}: {field} is {json.dumps(value)}; it must be a {sign} "
+                    f"{'integer' if kind is int else 'number'}")
+  return kind(value)
+
+
 def read(hf_dir: pathlib.Path) -> dict:
   """meshtrain model fields (plus `family` and `max_position_embeddings`) of the config.json in `hf_dir`, or a
   UserError naming the first field meshtrain cannot run and what converts."""
@@ -80,10 +91,12 @@ def read(hf_dir: pathlib.Path) -> dict:
       refuse(field, hf.get(field), f"{field}={json.dumps(value)}")
   heads = hf["num_attention_heads"]
   m = {"family": family, "vocab_size": hf["vocab_size"], "num_layers": hf["num_hidden_layers"],
-       "d_model": hf["hidden_size"], "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads") or heads,
-       "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp_dim": hf["intermediate_size"],
-       "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_eps": float(hf["rms_norm_eps"]),
-       "max_position_embeddings": int(hf["max_position_embeddings"]),
+       "d_model": hf["hidden_size"], "num_heads": heads,
+       "num_kv_heads": positive(where, "num_key_value_heads", hf.get("num_key_value_heads") or heads, int),
+       "head_dim": positive(where, "head_dim", hf.get("head_dim") or hf["hidden_size"] // heads, int),
+       "mlp_dim": hf["intermediate_size"], "tie_embeddings": bool(hf["tie_word_embeddings"]),
+       "norm_eps": positive(where, "rms_norm_eps", hf["rms_norm_eps"]),
+       "max_position_embeddings": positive(where, "max_position_embeddings", hf["max_position_embeddings"], int),
        "attention_bias": family == "qwen2", "qk_norm": family == "qwen3", "sliding_window": 0, "num_experts": 0,
        "experts_per_token": 2}
   if family in ("mistral", "mixtral") and hf["sliding_window"] is not None:
@@ -97,7 +110,7 @@ def read(hf_dir: pathlib.Path) -> dict:
       # k = 1: transformers renormalises the one weight to 1, meshtrain keeps the router probability (Switch).
       refuse("num_experts_per_tok", hf["num_experts_per_tok"], "2 <= num_experts_per_tok <= num_local_experts")
     m["num_experts"], m["experts_per_token"] = hf["num_local_experts"], hf["num_experts_per_tok"]
-    m["aux_loss_weight"] = float(hf.get("router_aux_loss_coef", 0.001))
+    m["aux_loss_weight"] = positive(where, "router_aux_loss_coef", hf.get("router_aux_loss_coef", 0.001), zero=True)
   m.update(_read_rope(hf, where, family))
   return m
 
@@ -107,7 +120,7 @@ def _read_rope(hf: dict, where: str, family: str) -> dict:
   non-null rope_scaling wins, as in transformers 5 (convert_rope_params_to_dict)."""
   rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
   rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-  theta = float(rope.pop("rope_theta", hf["rope_theta"]))
+  theta = positive(where, "rope_theta", rope.pop("rope_theta", hf["rope_theta"]))
   if rope.pop("partial_rotary_factor", 1.0) != 1.0:
     raise UserError(f"{where!r}: partial_rotary_factor is not 1; meshtrain rotates every dimension of each head")
   if rope_type not in ROPE_KEYS:
@@ -123,17 +136,18 @@ def _read_rope(hf: dict, where: str, family: str) -> dict:
   out = {"rope_theta": theta, "rope_type": rope_type}
   if rope_type == "default":
     return out
-  factor = float(rope.get("factor") or 1.0)
+  factor = positive(where, "factor", rope.get("factor") or 1.0)
   out["rope_factor"] = factor
   if rope_type in ("llama3", "yarn"):
-    out["rope_original_max_len"] = int(rope.get("original_max_position_embeddings")
-                                       or hf["max_position_embeddings"])
+    out["rope_original_max_len"] = positive(where, "original_max_position_embeddings",
+                                            rope.get("original_max_position_embeddings")
+                                            or hf["max_position_embeddings"], int)
   if rope_type == "llama3":
-    out["rope_low_freq_factor"] = float(rope["low_freq_factor"])
-    out["rope_high_freq_factor"] = float(rope["high_freq_factor"])
+    out["rope_low_freq_factor"] = positive(where, "low_freq_factor", rope.get("low_freq_factor"))
+    out["rope_high_freq_factor"] = positive(where, "high_freq_factor", rope.get("high_freq_factor"))
   if rope_type == "yarn":
-    out["rope_beta_fast"] = float(rope.get("beta_fast") or 32)
-    out["rope_beta_slow"] = float(rope.get("beta_slow") or 1)
+    out["rope_beta_fast"] = positive(where, "beta_fast", rope.get("beta_fast") or 32)
+    out["rope_beta_slow"] = positive(where, "beta_slow", rope.get("beta_slow") or 1)
     attention = rope.get("attention_factor")
     if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):
       mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0

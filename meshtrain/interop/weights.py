@@ -6,7 +6,9 @@ Orbax (JAX with it) is imported inside save_params: `python -m meshtrain.convert
 loading it.
 """
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import pathlib
 
@@ -16,7 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from meshtrain import checkpoint
-from meshtrain.errors import UserError
+from meshtrain.errors import RunAborted, UserError
 
 # safetensors dtype -> the meshtrain param_dtype holding it exactly. float16 widens to float32 (meshtrain stores
 # float32 or bfloat16 only; float16 -> float32 is exact).
@@ -106,16 +108,25 @@ def save_params(workdir: pathlib.Path, params: dict, meta: dict) -> None:
   """Writes `params` (numpy) as step 0 through meshtrain's Checkpointer, without a second copy in memory."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host work: never claim an accelerator for it
   previous = ocp.type_handlers.get_type_handler(np.ndarray)
-  ocp.type_handlers.register_type_handler(np.ndarray, _one_array_at_a_time(ocp), override=True)
+  checkpoint.register_handler(np.ndarray, _one_array_at_a_time(ocp))
+  # Orbax's log handlers write into the output's diagnostics/: on a full disk each failed record would print a
+  # "--- Logging error ---" report of its own; the error that matters is raised below.
+  raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
   ckpt = None
   try:
     ckpt = checkpoint.Checkpointer(workdir, keep=1)
     ckpt.save(0, {"params": params}, meta)
     ckpt.wait()
+  except RunAborted as e:  # a training run's words ("rerun to resume"); a conversion is refused whole
+    cause = e.__cause__ or e
+    raise UserError(f"the converted checkpoint could not be written into {workdir}: {type(cause).__name__}: "
+                    f"{(str(cause).splitlines() or [''])[0][:300]}; nothing was written (the partial output was "
+                    "removed)") from None
   finally:
     if ckpt is not None:
       ckpt.close()
-    ocp.type_handlers.register_type_handler(np.ndarray, previous, override=True)
+    checkpoint.register_handler(np.ndarray, previous)
+    logging.raiseExceptions = raise_exceptions
 
 
 def _one_array_at_a_time(ocp):
@@ -135,7 +146,13 @@ def _one_array_at_a_time(ocp):
     async def _open_and_write(self, value, tspec, ts_context):
       if self._lock is None:  # created in the event loop that runs the writes
         self._lock = asyncio.Lock()
-      async with self._lock:
+      await self._lock.acquire()
+      try:
         await super()._open_and_write(value, tspec, ts_context)
+      finally:
+        # A failed save closes Orbax's event loop with writes still waiting here: releasing then wakes a waiter on a
+        # closed loop (RuntimeError, printed as "Exception ignored"); nobody is left to run it.
+        with contextlib.suppress(RuntimeError):
+          self._lock.release()
 
   return OneArrayAtATime(deepcopy_host_arrays=False)

@@ -1,5 +1,6 @@
 """What this host has before JAX starts: its memory, and how many processes the config and environment say share the
-batch; the check that a batch's input buffers fit in that memory (each task counts the bytes of its rows)."""
+batch; the check that a batch's input buffers fit in that memory (each task counts the bytes of its rows); whether a
+process of this host still runs (what a killed one left behind may then be removed)."""
 import os
 
 from meshtrain import config as config_lib
@@ -40,3 +41,15 @@ def check_batch_memory(cfg, processes: int | None = None, memory: int | None = N
   per = f"{rows} of the {cfg.batch_size} rows per process ({processes} processes)" if processes > 1 else \
         f"batch_size={cfg.batch_size}"
   config_lib.TASKS[cfg.task].check_batch_memory(cfg, rows, per, memory)
+
+
+def process_alive(pid) -> bool:
+  """Whether process `pid` (an int, or the string a temporary directory's name holds) runs on this host; True when
+  that cannot be told (not a pid, or another user's process), so that nothing of a live process is removed."""
+  try:
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return False
+  except (ValueError, PermissionError):
+    return True
+  return True
