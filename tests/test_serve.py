@@ -720,6 +720,27 @@ def health(base: str) -> tuple[int, dict]:
     return e.code, json.loads(e.read())
 
 
+@pytest.mark.slow  # a server process of its own
+def test_sigterm_while_warming_stops_in_one_compile(workdir):
+  """SIGTERM while the server compiles its programs ends it after the program in hand (exit 0, never "serving"),
+  not after all of them: a big model's warm-up can take minutes. It used to finish warming first (86 s here)."""
+  proc = subprocess.Popen([sys.executable, "-m", "meshtrain.serve", "--workdir", str(workdir), "--port", "0",
+                           "--slots", "8"], stderr=subprocess.PIPE, text=True, env=xla_fast.env())
+  try:
+    while "listening on" not in (line := proc.stderr.readline()):
+      assert line, "the server stopped before it listened"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=240)[1]
+    stopped_s = time.monotonic() - t0
+  finally:
+    proc.kill()
+    proc.wait()
+  assert proc.returncode == 0, rest
+  assert "serving" not in rest, rest
+  assert stopped_s < 60, f"took {stopped_s:.0f} s to stop"
+
+
 @pytest.mark.slow  # a server warmed from cold (every program of 8 slots), then timed: the 3.11 suite runs it
 def test_ready_means_compiled(workdir):
   """The server listens while it compiles: /health answers 503 `warming` with its progress and a request 503. Once

@@ -592,14 +592,20 @@ class Engine:
                for rows in self.row_counts]
     return prefills + decodes
 
-  def warm(self, longest: int | None = None) -> None:
+  def warm(self, longest: int | None = None, stop: threading.Event | None = None) -> None:
     """Compiles every program of `programs(longest)` and runs each once (every process, in the same order, before
     any request), counting them in `warmed`: a program's first run costs more than the next (its buffers are
     allocated; 4-12 ms more for the tiny model's), which would land in the first requests' latency. The runs change
-    no slot a request could hold: no slot holds one yet, and the prefills' rows are all past the slots (dropped)."""
+    no slot a request could hold: no slot holds one yet, and the prefills' rows are all past the slots (dropped).
+
+    Once process 0's `stop` is set it returns after the program in hand, `ready` still False: a SIGTERM while a big
+    model warms ends it in one compile, not in all of them. Every process learns that from process 0 before each
+    program (one small broadcast), so all of them stop before the same one: none waits in a collective alone."""
     programs = self.programs(longest)
     self.warmed, self.to_warm = 0, len(programs)
     for kind, *key in programs:
+      if self._agree(np.int32([stop is not None and stop.is_set()]) if self.leader else None)[0]:
+        return
       if kind == "prefill":
         P, R, echo = key
         self._prefill_rows(P, [], echo, R)
@@ -716,6 +722,8 @@ class Engine:
     as process 0's `run`: the programs' first runs, with their collectives, in the same order)."""
     if not self.ready:
       self.warm()
+      if not self.ready:  # process 0 stopped while warming
+        return
     while True:
       plan = self._agree(None)
       if Plan.parse(plan).stop:

@@ -190,7 +190,9 @@ class Server:
     (`listening(port)`, from `serve`), then runs the engine."""
     def run():
       if not getattr(self.engine, "ready", True):
-        self.engine.warm()
+        self.engine.warm(stop=self.stop)
+        if not self.engine.ready:  # stopped while warming: nothing to serve
+          return
         gc.freeze()  # the compiled programs too, as serving.serve freezes what start-up built
       if on_ready is not None:
         self.port_known.wait()
