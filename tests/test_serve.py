@@ -506,7 +506,7 @@ def test_a_client_that_goes_away_frees_its_slots(workdir):
   computed for nobody, and the server carries on."""
   import http.client
   import urllib.parse
-  proc, url = start_server(workdir, "--slots", "1", "--max-queue", "8")
+  proc, url = start_server(workdir, "--slots", "1", "--max-queue", "8", "--lazy")
   try:
     where = urllib.parse.urlparse(url)
     connection = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
@@ -614,7 +614,7 @@ def test_live_checkpoints_swap_in_without_compiling(tmp_path):
   assert all(now[k] is v for now, then in zip((engine.prefills, engine.decodes), programs) for k, v in then.items())
 
   shutil.rmtree(served / "checkpoints" / "4")
-  proc, url = start_server(served, "--follow-s", "0.2")
+  proc, url = start_server(served, "--follow-s", "0.2", "--lazy")
   try:
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
     ask = lambda: client.completions.create(model=f"{served.name}@2", prompt=prompt, max_tokens=30, temperature=0)
