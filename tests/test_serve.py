@@ -684,8 +684,11 @@ def test_images_from_a_dit_run(tmp_path):
                       "--config.cpu_devices=8",  # this process's JAX already has the 8 devices train asked for
                       "--out", str(tmp_path / "grid.png"), "--npy", str(tmp_path / "three.npz")]) == 0
   expected = np.round(np.load(tmp_path / "three.npz")["images"] * 255).astype(np.uint8)[..., 0]
-  proc, url = start_server(run, "--lazy")
+  proc, url = start_server(run)
   try:
+    base = url.removesuffix("/v1")
+    # Ready means compiled: a request's n images padded to 1, 2, 4 or 8, sampled with once before "serving".
+    assert health(base)[0] == 200 and compiled_programs(base) == 4
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
     out = client.images.generate(model=f"{run.name}@2", prompt="3", n=2, response_format="b64_json",
                                  extra_body={"seed": 11})
@@ -702,6 +705,7 @@ def test_images_from_a_dit_run(tmp_path):
     with pytest.raises(openai.BadRequestError, match="/v1/images/generations"):
       client.completions.create(model=None, prompt="a", max_tokens=2)
     assert client.models.list().data[0].id == f"{run.name}@2"
+    assert compiled_programs(base) == 4  # nothing compiled inside a request
   finally:
     proc.kill()
     proc.wait()

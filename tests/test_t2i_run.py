@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
-from test_serve import start_server
+from test_serve import compiled_programs, start_server
 
 from meshtrain.data import shapes
 from meshtrain.inference import shapes_judge
@@ -78,7 +78,8 @@ def test_pictures_follow_captions_held_out_of_training(run, tmp_path):
 def test_served_prompts_are_the_sampled_pictures_alone_or_batched(run, tmp_path):
   """/v1/images/generations with the prompt text: the pictures `sample` draws for that prompt and seed, whether the
   request is alone or sampled in one batch with others; steps and guidance per request; bad requests are 400s; a
-  newer checkpoint of the run is served once it appears (the server follows a live run)."""
+  newer checkpoint of the run is served once it appears (the server follows a live run). Ready means compiled: the
+  batches of the run's step count (1 .. 32 pictures) before "serving", none after but another step count's."""
   expected, _ = sampled(run, tmp_path, HELDOUT[:1], 2)
   served = tmp_path / run.name
   shutil.copytree(run, served)
@@ -86,6 +87,8 @@ def test_served_prompts_are_the_sampled_pictures_alone_or_batched(run, tmp_path)
   proc, url = start_server(served, "--follow-s", "0.2")
   try:
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+    base = url.removesuffix("/v1")
+    assert compiled_programs(base) == 6
 
     def ask(prompt, n=2, **extra):
       out = client.images.generate(model=None, prompt=prompt, n=n, response_format="b64_json",
@@ -108,7 +111,9 @@ def test_served_prompts_are_the_sampled_pictures_alone_or_batched(run, tmp_path)
       together = list(pool.map(ask, [HELDOUT[0], *HELDOUT[1:], "a red circle", HELDOUT[0], "a white square"]))
     for got in (together[0], together[4]):
       np.testing.assert_array_equal(got, alone)
+    assert compiled_programs(base) == 6  # the batches above, a checkpoint swapped in: nothing compiled
     fewer_steps = ask(HELDOUT[0], steps=4, guidance=1.0)
+    assert compiled_programs(base) == 7
     assert fewer_steps.shape == alone.shape and not np.array_equal(fewer_steps, alone)
     for bad, match in [({"size": "64x64"}, "draws 32x32 images"), ({"prompt": ""}, "non-empty"),
                        ({"response_format": "url"}, "b64_json"), ({"n": 9}, "n: Input should be less than or equal")]:

@@ -13,7 +13,8 @@ generate; one device on the CPU unless --config.cpu_devices says more); the HTTP
 meshtrain/inference/server.py. Without --step it serves the newest checkpoint and, while the run trains, swaps in
 each newer one it finds (looked for every --follow-s seconds; 0: never), with nothing compiled again. Under a
 multi-process launch (meshtrain.launch, srun) process 0 serves HTTP and every process runs the engine's steps on its
-devices. SIGTERM stops accepting (503), lets the requests in flight finish within --grace-s seconds, and exits 0.
+devices. SIGTERM stops accepting (503), lets the requests in flight finish within --grace-s seconds, and exits 0
+(while warming: after the program in hand).
 
 Exit codes: 0 stopped, 2 a bad argument or workdir (one `error:` line, before JAX starts).
 """

@@ -582,6 +582,10 @@ class Engine:
                       f"of {per_device / 1e9:,.1f} GB per device, more than the {capacity / 1e9:,.1f} GB a device "
                       f"has ({source}); lower --max-len or --slots, or spread the model over more devices")
 
+  @property
+  def compiled_programs(self) -> int:
+    return len(self.prefills) + len(self.decodes)
+
   def programs(self, longest: int | None = None) -> list[tuple]:
     """Every program a request of up to `longest` prompt tokens (default: the context) can need: ("prefill", P,
     rows, echo) for each bucket, and ("decode", steps, attend, rows) for each call length, span and row count."""

@@ -41,6 +41,8 @@ from meshtrain.runtime import startup
 # costs nothing measurable in a step that streams every weight anyway. Prefill keeps its own rows (its work grows
 # with them); its state is padded at its end.
 DECODE_MIN_ROWS = 2
+
+
 def kv_cache_bytes(c, rows: int, slots: int) -> int:
   """The bytes of a KV cache of `rows` rows of `slots` positions: keys and values of every layer (model fields c)."""
   return 2 * c.num_layers * rows * c.num_kv_heads * slots * c.head_dim * jnp.dtype(c.dtype).itemsize

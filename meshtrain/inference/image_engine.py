@@ -88,7 +88,7 @@ class ImageEngine:
 
   def __init__(self, sampler, params, num_classes: int, image_shape: tuple[int, int, int], step: int,
                class_names: list[str] | None = None, max_queue: int = 64, max_n: int = 8,
-               live: LiveCheckpoints | None = None, served: ServedParams | None = None):
+               live: LiveCheckpoints | None = None, served: ServedParams | None = None, warm_first: bool = False):
     self.sampler, self.params, self.num_classes = sampler, params, num_classes
     self.image_shape, self.step_served, self.class_names = tuple(image_shape), step, class_names
     self.max_queue, self.max_n = max_queue, max_n
@@ -96,6 +96,38 @@ class ImageEngine:
     self.queue: collections.deque[ImageRequest] = collections.deque()
     self.lock = threading.Condition()
     self.running: ImageRequest | None = None
+    # As the language engine's: with `warm_first`, `warm()` samples once with every program a request can need
+    # before the first request; `compiled` holds the programs sampled with so far (one compile each).
+    self.compiled: set[tuple] = set()
+    self.ready, self.warmed = not warm_first, 0
+    self.to_warm = len(self.programs())
+
+  @property
+  def compiled_programs(self) -> int:
+    return len(self.compiled)
+
+  def programs(self) -> list[tuple]:
+    """Every program a request can need: its n images padded to a power of two, 1 .. max_n's."""
+    return [("images", 1 << k) for k in range((self.max_n - 1).bit_length() + 1)]
+
+  def warm(self, stop: threading.Event | None = None) -> None:
+    """Samples once with each of `programs()` (noise of seed 0, pictures thrown away), counting them in `warmed`;
+    returns early, `ready` still False, once `stop` is set."""
+    self.warmed = 0
+    for program in self.programs():
+      if stop is not None and stop.is_set():
+        return
+      self._sample_with(*program)
+      self.warmed += 1
+    self.ready = True
+
+  def _sample_with(self, kind: str, padded: int, steps: int | None = None) -> None:
+    del kind, steps
+    self._images(np.zeros(padded, np.int32), 0)
+
+  def _images(self, labels_N, seed: int) -> np.ndarray:
+    self.compiled.add(("images", len(labels_N)))
+    return self.sampler(self.params, labels_N, np.arange(len(labels_N), dtype=np.int32), seed)
 
   def swap(self) -> None:
     """Serves a newer checkpoint of the live run when one is there (on the engine thread, between batches)."""
@@ -156,8 +188,7 @@ class ImageEngine:
       if request.cancelled:
         return True
       padded = 1 << (request.n - 1).bit_length()  # a power of two: few programs compiled
-      labels = np.full(padded, request.condition, np.int32)
-      images = self.sampler(self.params, labels, np.arange(padded, dtype=np.int32), request.seed)[:request.n]
+      images = self._images(np.full(padded, request.condition, np.int32), request.seed)[:request.n]
       request.pngs, request.step = pngs(images), self.step_served
     finally:
       self.running = None
@@ -190,9 +221,23 @@ class PromptEngine(ImageEngine):
 
   def __init__(self, samplers, params, text_len: int, image_shape, step: int, steps: int, guidance: float,
                max_queue: int = 64, max_n: int = 8, live: LiveCheckpoints | None = None,
-               served: ServedParams | None = None):
-    super().__init__(None, params, 0, image_shape, step, None, max_queue, max_n, live, served)
+               served: ServedParams | None = None, warm_first: bool = False):
     self.samplers, self.text_len, self.steps, self.guidance = samplers, text_len, steps, guidance
+    super().__init__(None, params, 0, image_shape, step, None, max_queue, max_n, live, served, warm_first)
+
+  def programs(self) -> list[tuple]:
+    """Every program a request of the run's step count can need: batches of pictures padded to a power of two,
+    1 .. MAX_BATCH. A request asking for other steps compiles its own on first use (steps are compiled in)."""
+    return [("pictures", 1 << k, self.steps) for k in range((MAX_BATCH - 1).bit_length() + 1)]
+
+  def _sample_with(self, kind: str, padded: int, steps: int | None = None) -> None:
+    del kind
+    self._pictures(steps, np.zeros((padded, self.text_len), np.int32), np.zeros(padded, np.uint32),
+                   np.arange(padded, dtype=np.int32), np.full(padded, self.guidance, np.float32))
+
+  def _pictures(self, steps: int, ids_NS, seeds_N, index_N, guidance_N) -> np.ndarray:
+    self.compiled.add(("pictures", len(ids_NS), steps))
+    return self.samplers(steps)(self.params, ids_NS, seeds_N, index_N, guidance_N)
 
   def condition_of(self, prompt) -> np.ndarray:
     if not isinstance(prompt, str) or not prompt.strip():
@@ -222,10 +267,10 @@ class PromptEngine(ImageEngine):
                                    for r in live])
         padded = 1 << (len(ids) - 1).bit_length()
         extra = padded - len(ids)
-        pictures = self.samplers(steps)(self.params, np.concatenate([ids, np.zeros((extra, self.text_len), np.int32)]),
-                                        np.concatenate([seeds, np.zeros(extra, np.uint32)]),
-                                        np.concatenate([index, np.zeros(extra, np.int32)]),
-                                        np.concatenate([guidance, np.zeros(extra, np.float32)]))
+        pictures = self._pictures(steps, np.concatenate([ids, np.zeros((extra, self.text_len), np.int32)]),
+                                  np.concatenate([seeds, np.zeros(extra, np.uint32)]),
+                                  np.concatenate([index, np.zeros(extra, np.int32)]),
+                                  np.concatenate([guidance, np.zeros(extra, np.float32)]))
         start = 0
         for r in live:
           r.pngs, r.step = pngs(pictures[start:start + r.n]), self.step_served
@@ -253,17 +298,19 @@ def class_names(cfg) -> list[str] | None:
 
 
 def from_workdir(workdir, step: int, cfg, max_queue: int = 64, max_n: int = 8, asked: bool = True,
-                 follow_s: float = 0.0) -> ImageEngine:
+                 follow_s: float = 0.0, warm_first: bool = False) -> ImageEngine:
   """`prompt_engine` for a text-to-image run, else `class_engine`; with `follow_s` > 0 (and no step `asked` for),
-  following the run's newer checkpoints, looked for every follow_s seconds."""
+  following the run's newer checkpoints, looked for every follow_s seconds; `warm_first`: every program sampled
+  with once before the first request (`ImageEngine.warm`)."""
   make = prompt_engine if cfg.task == "t2i" else class_engine
-  engine = make(workdir, step, cfg, max_queue, max_n, asked)
+  engine = make(workdir, step, cfg, max_queue, max_n, asked, warm_first)
   if follow_s > 0 and not asked:
     engine.live = LiveCheckpoints(workdir, engine.step_served, follow_s)
   return engine
 
 
-def prompt_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bool) -> PromptEngine:
+def prompt_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bool,
+                  warm_first: bool = False) -> PromptEngine:
   """A PromptEngine of the t2i run in `workdir` at `step` on cfg's mesh (as from_workdir's class engine)."""
   mesh = mesh_lib.make_mesh(cfg.mesh)
   cfg.batch_size = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
@@ -272,10 +319,11 @@ def prompt_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bo
   m, s = cfg.model, cfg.sample
   samplers = functools.cache(lambda steps: t2i_sampler.Sampler(layout, steps, s.guidance))
   return PromptEngine(samplers, params, m.text_len, (m.image_size, m.image_size, m.channels), step, s.steps,
-                      s.guidance, max_queue, max_n, served=ServedParams(layout, params))
+                      s.guidance, max_queue, max_n, served=ServedParams(layout, params), warm_first=warm_first)
 
 
-def class_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bool) -> ImageEngine:
+def class_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bool,
+                 warm_first: bool = False) -> ImageEngine:
   """An ImageEngine of the DiT run in `workdir` at `step`, with `cfg` from dit_request.run_config (its mesh and
   rules), as `python -m meshtrain.sample` builds its sampler. Unless the user `asked` for that step, the newest
   there is when a live run's retention deletes it first (the engine's `step` says which)."""
@@ -287,4 +335,4 @@ def class_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: boo
   m = cfg.model
   return ImageEngine(dit_sampler.Sampler(layout, cfg.sample.steps, cfg.sample.guidance), params, m.num_classes,
                      (m.image_size, m.image_size, m.channels), step, class_names(cfg), max_queue, max_n,
-                     served=ServedParams(layout, params))
+                     served=ServedParams(layout, params), warm_first=warm_first)

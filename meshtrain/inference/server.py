@@ -103,9 +103,9 @@ class Metrics:
     prom.Gauge("meshtrain_serve_busy_slots", "decode slots holding a request", registry=r).set_function(
         lambda: engine.busy)
     prom.Gauge("meshtrain_serve_slots", "decode slots", registry=r).set(engine.slots)
-    if isinstance(engine, engine_lib.Engine):  # what is compiled: after warming, a request compiles nothing more
-      prom.Gauge("meshtrain_serve_compiled_programs", "prefill and decode programs compiled", registry=r).set_function(
-          lambda: len(engine.prefills) + len(engine.decodes))
+    # What is compiled (prefill and decode programs, or image samplers): after warming, a request compiles nothing more.
+    prom.Gauge("meshtrain_serve_compiled_programs", "programs compiled", registry=r).set_function(
+        lambda: engine.compiled_programs)
     self.prompt_tokens = prom.Counter("meshtrain_serve_prompt_tokens", "prompt tokens prefilled", registry=r)
     self.generation_tokens = prom.Counter("meshtrain_serve_generation_tokens", "tokens generated", registry=r)
     self.requests = prom.Counter("meshtrain_serve_requests", "requests finished (one per choice)", ["finish_reason"],

@@ -51,7 +51,7 @@ def image_engine(workdir, step: int, cfg, options) -> images.ImageEngine:
     raise UserError("an image run is served by one process (its mesh over this host's devices); several processes "
                     "serve a language model")
   return images.from_workdir(workdir, step, cfg, max_queue=options.max_queue, asked=options.step is not None,
-                             follow_s=options.follow_s)
+                             follow_s=options.follow_s, warm_first=not options.lazy)
 
 
 def serve(cfg, workdir, step: int, options) -> None:
