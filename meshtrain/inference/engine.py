@@ -18,7 +18,8 @@ JetStream's design, on a Generator's model, mesh, rules and placed parameters (m
   most CALL_BUDGET_S (by the measured step time), else one step. A call's tokens are read on the next engine step,
   after that step's call is dispatched (the device computes it while the host hands out the last one's text), when
   every slot is busy or both calls take at most CALL_BUDGET_S, and no request leaves by its length in the last call
-  or is cancelled (`Engine._ahead`); otherwise first. ONE program per call length, attention span and row count:
+  or is cancelled (`Engine._ahead`); otherwise first. ONE program per attention span and row count (a call's
+  step count is its argument):
   a call attends over the cache's first `attend` slots (`Plan.attend`, the fewest of `Engine.attends`, 64, 96, 128,
   192, ..., the row, that hold every busy row's slots after it), not over rows the context long whatever the
   requests use, and decodes the cache's first `rows` rows (`Plan.rows`, the fewest of `Engine.row_counts`, a
@@ -82,7 +83,7 @@ CALL_BUDGET_S = 0.005
 ATTEND_MIN = 64
 # The decode programs' row counts (Engine.row_counts) are the slots divided by these: with few requests in flight a
 # step decodes the busy rows only (a step's cost grows with its rows), so more slots cost nothing until requests use
-# them. Not finer: each count multiplies the decode programs compiled (steps x spans x rows), and one row costs
+# them. Not finer: each count multiplies the decode programs compiled (spans x rows), and one row costs
 # about what two do.
 ROW_DIVISORS = (4, 2, 1)
 # A prefill's row counts (Engine.prefill_rows): one prompt, and the slots divided by powers of this, so that a call
@@ -457,14 +458,21 @@ class Engine:
               "counts_BV": counts_BV}, out
 
     def decode_steps(params, state, steps, attend, rows):
-      """`steps` decode steps in one device call of the first `rows` slots, attending over the cache's first
-      `attend` slots: tokens [steps, rows], their logprobs [steps, rows] and top ones [steps, rows, A]. The
-      cache's arrays pass whole (the model writes into their first rows: llama.write_slots), the rows' start, end,
-      tokens and sampling settings as the first `rows` of each."""
+      """`steps` decode steps (1 .. chunk, an argument: one program serves single steps and chunks) in one device
+      call of the first `rows` slots, attending over the cache's first `attend` slots: tokens [chunk, rows], their
+      logprobs [chunk, rows] and top ones [chunk, rows, A], of which the first `steps` are the call's. The cache's
+      arrays pass whole (the model writes into their first rows: llama.write_slots), the rows' start, end, tokens
+      and sampling settings as the first `rows` of each."""
       cache = state["cache"]
       head = {k: v[:rows] for k, v in state.items() if k != "cache"}
       head["cache"] = cache.replace(start_B=cache.start_B[:rows], end=cache.end[:rows])
-      head, out_KR = jax.lax.scan(lambda s, _: decode(params, s, attend), head, None, length=steps)
+      blank = jax.tree.map(lambda a: jnp.zeros((self.chunk, *a.shape), a.dtype),
+                           jax.eval_shape(lambda s: decode(params, s, attend)[1], head))
+
+      def step(k, carry):
+        s, out_KR = decode(params, carry[0], attend)
+        return s, jax.tree.map(lambda buffer, x: buffer.at[k].set(x), carry[1], out_KR)
+      head, out_KR = jax.lax.fori_loop(0, steps, step, (head, blank))
       merged = {k: state[k].at[:rows].set(v) for k, v in head.items() if k != "cache"}
       merged["cache"] = head["cache"].replace(start_B=cache.start_B, end=cache.end.at[:rows].set(head["cache"].end))
       return merged, out_KR
@@ -474,20 +482,23 @@ class Engine:
       init_c = jax.jit(init).lower().compile()
       self.state_shardings = init_c.output_shardings
       self.state = init_c()
-    self.decodes = {}  # (steps, attend, rows) -> compiled decode steps
+    self.decodes = {}  # (attend, rows) -> compiled decode steps
+    # A call's step count as the programs take it, placed once (a transfer per call costs a single step's time).
+    self._step_counts = {k: place(np.int32(k), self.replicated) for k in sorted({1, self.chunk})}
 
   def _decode(self, steps: int, attend: int, rows: int):
-    """The compiled `steps` decode steps of the first `rows` slots over the cache's first `attend` slots (compiled
-    on first use, as `_prefill`)."""
-    if (steps, attend, rows) not in self.decodes:
+    """`steps` decode steps of the first `rows` slots over the cache's first `attend` slots: a function of (params,
+    state) running the compiled program of (attend, rows), compiled on first use, as `_prefill`."""
+    if (attend, rows) not in self.decodes:
       g = self.gen
       with jax.set_mesh(g.mesh), nn.logical_axis_rules(g.rules):
-        self.decodes[steps, attend, rows] = jax.jit(
-            self._decode_steps, static_argnums=(2, 3, 4), donate_argnums=1,
+        self.decodes[attend, rows] = jax.jit(
+            self._decode_steps, static_argnums=(3, 4), donate_argnums=1,
             out_shardings=(self.state_shardings, self.replicated)).lower(
-                self._abstract(g.params), self._abstract(self.state), steps, attend, rows).compile()
+                self._abstract(g.params), self._abstract(self.state), self._step_counts[1], attend, rows).compile()
       startup.barrier("serving's first run of a compiled decode", g.barrier_timeout_s)
-    return self.decodes[steps, attend, rows]
+    program, count = self.decodes[attend, rows], self._step_counts[steps]
+    return lambda params, state: program(params, state, count)
 
   @staticmethod
   def _abstract(tree):
@@ -588,12 +599,11 @@ class Engine:
 
   def programs(self, longest: int | None = None) -> list[tuple]:
     """Every program a request of up to `longest` prompt tokens (default: the context) can need: ("prefill", P,
-    rows, echo) for each bucket, and ("decode", steps, attend, rows) for each call length, span and row count."""
+    rows, echo) for each bucket, and ("decode", attend, rows) for each span and row count (any call length)."""
     buckets = sorted({bucket(n) for n in range(1, min(longest or self.max_len - 1, self.max_len - 1) + 1)})
     prefills = [("prefill", P, R, False) for P in buckets for R in self.prefill_rows]
     prefills += [("prefill", P, self.echo_rows, True) for P in buckets]
-    decodes = [("decode", k, attend, rows) for k in sorted({1, self.chunk}) for attend in self.attends
-               for rows in self.row_counts]
+    decodes = [("decode", attend, rows) for attend in self.attends for rows in self.row_counts]
     return prefills + decodes
 
   def warm(self, longest: int | None = None, stop: threading.Event | None = None) -> None:
@@ -614,7 +624,7 @@ class Engine:
         P, R, echo = key
         self._prefill_rows(P, [], echo, R)
       else:
-        self.state, out_KR = self._decode(*key)(self.params, self.state)
+        self.state, out_KR = self._decode(1, *key)(self.params, self.state)
         np.asarray(out_KR["token"])
       self.warmed += 1
     self.ready = True
@@ -819,7 +829,8 @@ class Engine:
     """Reads a decode call's tokens (waiting for the device) and gives each request still in its slot its own, with
     their logprobs where it asked (read from the device only then)."""
     want = any(r.logprobs is not None for r in call.active.values())
-    out = {k: np.swapaxes(np.asarray(v), 0, 1) for k, v in call.out.items() if want or k == "token"}  # [R, K, ...]
+    out = {k: np.swapaxes(np.asarray(v)[:call.steps], 0, 1) for k, v in call.out.items()
+           if want or k == "token"}  # [R, steps, ...]
     # The call ran from its dispatch, or from the end of the one before it (read here last) if that was later.
     now = time.perf_counter()
     took = (now - max(call.dispatched_at, self.read_at)) / call.steps
