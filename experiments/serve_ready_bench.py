@@ -1,19 +1,21 @@
 """Time to ready of `python -m meshtrain.serve`, and the first burst after it (issue 47), side by side in one run.
 
   .venv/bin/python experiments/serve_ready_bench.py --workdir runs/tiny [--python .venv-py3.13/bin/python]
-      [--baseline-src DIR] [--slots 8]
+      [--baseline-src DIR [--baseline-flags "--warm"]] [--slots 8]
 
 For each server variant it starts the server, times "listening" and "serving" from the process start, reads how
 many programs it compiled (/metrics), then sends 8 greedy requests of 56 tokens at once (the first burst) and the
 same 8 one at a time. Variants: `--lazy`; the default (everything compiled before serving) with an empty
 compilation cache and again with the cache that run filled (on the CPU the cache is only on from jaxlib 0.12.1);
-and, with --baseline-src (a checkout of an earlier commit), that checkout's `--warm`.
+and, with --baseline-src (a checkout of an earlier commit), that checkout's server with --baseline-flags (`--warm`
+for a checkout before serve warmed by default; '' for one after).
 """
 import argparse
 import concurrent.futures
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -66,7 +68,8 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--python", default=sys.executable)
-  ap.add_argument("--baseline-src", default=None, help="an earlier checkout whose --warm is the baseline")
+  ap.add_argument("--baseline-src", default=None, help="an earlier checkout whose warmed server is the baseline")
+  ap.add_argument("--baseline-flags", default="--warm", help="the baseline's flags for a warmed server")
   ap.add_argument("--slots", default="8")
   ap.add_argument("--tokens", type=int, default=56)
   args = ap.parse_args()
@@ -74,7 +77,8 @@ def main() -> None:
   cache = tempfile.mkdtemp(prefix="xla-cache-")
   variants = [("lazy", src, ["--lazy"]), ("ready, empty cache", src, []), ("ready, cache filled", src, [])]
   if args.baseline_src:
-    variants.append(("baseline --warm", args.baseline_src, ["--warm"]))
+    variants.append((f"baseline {args.baseline_flags or 'default'}", args.baseline_src,
+                     shlex.split(args.baseline_flags)))
   rows = []
   for name, where, extra in variants:
     proc, url, listening, ready = start(args.python, where, args.workdir,
