@@ -240,3 +240,42 @@ def test_cpu_programs_come_from_the_persistent_cache_where_they_run(tmp_path):
   assert first == second and first_hits == "0"
   on = jaxlib.version.__version_info__ >= startup.CPU_CACHE_SINCE
   assert (int(second_hits) > 0) == on and (cache.exists() and any(cache.iterdir())) == on
+
+
+# A process of one CPU device (as `serve` runs a small model): the cache is on for every jaxlib, its programs being
+# single-device ones. The engine's sampling (sort, cumsum, a categorical draw, conditionals) in a loop over a matmul.
+ONE_DEVICE_FROM_CACHE = """
+import sys
+from meshtrain import config
+from meshtrain.runtime import startup
+cfg = config.base_config()
+cfg.compilation_cache_dir, cfg.cpu_devices = sys.argv[1], 1
+startup.start(cfg)
+import jax, jax.numpy as jnp
+from meshtrain.inference import engine
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+hits = []
+jax.monitoring.register_event_listener(lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None)
+B, V = 4, 64
+w_VV = jax.random.normal(jax.random.key(0), (V, V)) / 8
+def steps(x_BV):
+  def step(i, carry):
+    x_BV, tokens_B = carry
+    keys_B = jax.random.split(jax.random.key(i), B)
+    token_B = engine.sample_rows(x_BV, keys_B, jnp.full(B, 0.7), jnp.full(B, 0.9), jnp.full(B, 5, jnp.int32), V)
+    return jnp.tanh(x_BV @ w_VV) + jax.nn.one_hot(token_B, V), tokens_B + token_B
+  return jax.lax.fori_loop(0, 8, step, (x_BV, jnp.zeros(B, jnp.int32)))
+x_BV, tokens_B = jax.jit(steps)(jax.random.normal(jax.random.key(1), (B, V)))
+print(jax.device_count(), float(jnp.abs(x_BV).sum()), int(tokens_B.sum()), len(hits))
+"""
+
+
+def test_a_one_device_process_reads_its_programs_from_the_cache_on_every_jaxlib(tmp_path):
+  """With one CPU device the cache is on whatever the jaxlib (startup.cpu_cache_works): the restart reads the
+  program from it and computes the same numbers (a server of a small model restarts without compiling)."""
+  cache = tmp_path / "cache"
+  runs = [subprocess.run([sys.executable, "-c", ONE_DEVICE_FROM_CACHE, str(cache)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300) for _ in range(2)]
+  assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
+  (devices, *first, first_hits), (_, *second, second_hits) = (r.stdout.split() for r in runs)
+  assert devices == "1" and first == second and first_hits == "0" and int(second_hits) > 0

@@ -51,9 +51,9 @@ def start(cfg) -> None:
   if settings is not None:
     _initialize_distributed(cfg, settings)
   # Restarts after preemption or a crash, and a server's restarts, recompile the same programs: fetch them from disk
-  # instead. On the CPU only from jaxlib CPU_CACHE_SINCE on and in one process: before it XLA aborts the process on
-  # some multi-device programs loaded from the cache, and with several processes a cached train step hangs in its
-  # first all-reduce (docs/training.md#the-compilation-cache-on-the-cpu).
+  # instead. On the CPU only in one process, and before jaxlib CPU_CACHE_SINCE only with one device: before it XLA
+  # aborts the process on some multi-device programs loaded from the cache, and with several processes a cached
+  # train step hangs in its first all-reduce (docs/training.md#the-compilation-cache-on-the-cpu).
   if cfg.compilation_cache_dir and cpu_cache_works():
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -61,11 +61,12 @@ def start(cfg) -> None:
 
 def cpu_cache_works() -> bool:
   """Whether compiled programs may come from the persistent cache on this backend: always on GPUs and TPUs (their
-  collectives are not the CPU runtime's), on the CPU from jaxlib CPU_CACHE_SINCE on and in a single process (call
-  after the distributed runtime started)."""
+  collectives are not the CPU runtime's); on the CPU in a single process, from jaxlib CPU_CACHE_SINCE on, and before
+  it where the process has one device, so that every program it compiles is a single-device one (what aborted
+  were multi-device programs; call after the distributed runtime started)."""
   if jax.default_backend() != "cpu":
     return True
-  return jaxlib.version.__version_info__ >= CPU_CACHE_SINCE and jax.process_count() == 1
+  return jax.process_count() == 1 and (jaxlib.version.__version_info__ >= CPU_CACHE_SINCE or jax.device_count() == 1)
 
 
 def is_main() -> bool:
