@@ -15,6 +15,7 @@ as for the text sources.
 import ast
 import json
 import pathlib
+import warnings
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -45,7 +46,11 @@ def examples(text: str) -> list[tuple[int, str, str]]:
   # ast counts lines at \n, \r\n and \r only; str.splitlines also splits at \f, \v and others, so split by hand.
   text = text.replace("\r\n", "\n").replace("\r", "\n")
   try:
-    tree = ast.parse(text)
+    # Some stdlib files hold invalid string escapes ('\('): parsing them warns (DeprecationWarning, SyntaxWarning
+    # from 3.12) into every build's output about code that is not ours.
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+      tree = ast.parse(text)
   except (SyntaxError, ValueError):  # ValueError: source holding NUL bytes
     return []
   lines = text.split("\n")
