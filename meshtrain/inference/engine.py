@@ -106,6 +106,9 @@ class QueueFull(Exception):
   """The engine's queue holds max_queue requests already: try again later (HTTP 429)."""
 
 
+FINISH_REASONS = ("stop", "length", "cancelled")  # Request.finish_reason once done
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
   """One completion. `on_update(request, delta_text)` is called on the engine thread after each new token whose text

@@ -110,6 +110,8 @@ class Metrics:
     self.generation_tokens = prom.Counter("meshtrain_serve_generation_tokens", "tokens generated", registry=r)
     self.requests = prom.Counter("meshtrain_serve_requests", "requests finished (one per choice)", ["finish_reason"],
                                  registry=r)
+    for reason in engine_lib.FINISH_REASONS:  # each series exported from the start, at 0 (a rate needs its first 0)
+      self.requests.labels(reason)
     self.rejected = prom.Counter("meshtrain_serve_rejected_requests", "requests refused", ["status"], registry=r)
     self.images = prom.Counter("meshtrain_serve_images", "images generated", registry=r)
     self.image_latency = prom.Histogram("meshtrain_serve_image_request_latency_seconds",
