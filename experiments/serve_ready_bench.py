@@ -6,7 +6,8 @@
 For each server variant it starts the server, times "listening" and "serving" from the process start, reads how
 many programs it compiled (/metrics), then sends 8 greedy requests of 56 tokens at once (the first burst) and the
 same 8 one at a time. Variants: `--lazy`; the default (everything compiled before serving) with an empty
-compilation cache and again with the cache that run filled (on the CPU the cache is only on from jaxlib 0.12.1);
+compilation cache and again with the cache that run filled (on the CPU the cache is on from jaxlib 0.12.1, and
+before it for a one-device server, the default);
 and, with --baseline-src (a checkout of an earlier commit), that checkout's server with --baseline-flags (`--warm`
 for a checkout before serve warmed by default; '' for one after).
 """

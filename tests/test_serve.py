@@ -769,6 +769,10 @@ def test_ready_means_compiled(workdir):
     assert health(base) == (200, {"status": "ok", "busy_slots": 0, "queue": 0})
     programs = compiled_programs(base)
     assert programs == body["programs"]
+    # Before any request every finish reason's series is there, at 0: a reader of one finds its line.
+    metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    for reason in ("stop", "length", "cancelled"):
+      assert f'meshtrain_serve_requests_total{{finish_reason="{reason}"}} 0.0' in metrics, metrics
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(8)]
     # Long enough answers (the context is 64) that decoding, not each request's HTTP round trip, is what is timed.
