@@ -355,7 +355,7 @@ class PromptSampleHook(Periodic):
 
   def __init__(self, cfg):
     super().__init__(cfg.eval_every)
-    self._sampler = None
+    self._sampler = self._captions = None
     self.prompts = [p.strip() for p in cfg.sample.prompts.split(";") if p.strip()] or eval_captions(cfg)
 
   def run_at(self, step: int, run) -> None:
@@ -364,8 +364,10 @@ class PromptSampleHook(Periodic):
     run.beat(step, "sampling images")
     if self._sampler is None:
       self._sampler = t2i_sampler.Sampler(run.layout, s.steps, s.guidance)
-    ids, index = t2i_sampler.prompt_ids(self.prompts, s.per_prompt, run.cfg.model.text_len)
-    pictures = self._sampler(run.sample_params, ids, [s.seed] * len(ids), index)  # every process: one program
+    if self._captions is None:
+      self._captions = data.images.Captions(run.cfg.model)
+    texts, index = t2i_sampler.prompt_texts(self._captions, self.prompts, s.per_prompt)
+    pictures = self._sampler(run.sample_params, texts, [s.seed] * len(index), index)  # every process: one program
     if jax.process_index() != 0:
       return
     path = pathlib.Path(run.workdir) / dit_sampler.SAMPLES_DIR / f"step_{step}.png"

@@ -141,6 +141,12 @@ def t2i_model_config(name: str) -> ml_collections.ConfigDict:
   m.text_layers = text_layers
   m.text_heads = text_heads
   m.text_mlp_dim = 4 * text_width
+  m.text_encoder = "own"          # own: the byte-level encoder above, trained with the model | PATH: a language-model
+                                  # workdir (or PATH/checkpoints/N), frozen: its hidden states, cached beside the data
+                                  # (meshtrain/data/text_features.py); text_len counts its tokens, text_width = its
+                                  # d_model
+  m.text_encoder_layer = -2       # the frozen encoder's hidden_states[k] (Hugging Face's numbering: 0 embeddings, -1
+                                  # the last through the final norm, -2 the last block's input, as Z-Image takes it)
   m.caption_dropout = 0.1         # training captions replaced by the empty one with this probability (for guidance)
   m.shift = 0.0                   # time shift of training and sampling; 0: by resolution, Flux's rule (see t2i.py)
   m.init_std = 0.02

@@ -43,6 +43,10 @@ CANNOT_RUN = {
     "its '...' stands for the chat run's data flags above (data.format=chat needs a converted model's tokenizer)",
     ("own-data.md", "python -m meshtrain.train --config configs/finetune_hf.py"): "init_from=runs/qwen: a converted "
     "Qwen run (no network here); tests/test_own_data.py trains chat records on a locally built model",
+    ("image-generation.md", "python -m meshtrain.convert from-hf path/to/Qwen3"): "needs a downloaded Qwen3 (no "
+    "network here); tests/test_frozen_text.py converts a Qwen3 transformers builds locally and trains on it",
+    ("image-generation.md", "python -m meshtrain.train --config configs/t2i_tiny.py --workdir runs/t2i_qwen"):
+    "needs the converted Qwen3 above",
     ("inspect-and-plan.md", "$ python -m meshtrain.plan"): "a search over every layout (1-3 minutes on 2 cores); "
     "tests/test_inspect.py plans smaller searches",
     ("inspect-and-plan.md", "python -m meshtrain.train --config configs/llama8b.py"): "an 8B model on 8 devices",

@@ -6,7 +6,7 @@ nothing here knows the model family: the task's cost model (`families.cost_model
 meshtrain/tasks/__init__.py) gives the parameter table, the block stack to trace, the model-specific parts of the
 working set, the FLOPs per example and the collectives its blocks force; this module does the arithmetic:
   - parameter and optimizer bytes: the parameter table (shapes, logical axes) under the layout's rules;
-  - activation bytes: JAX's own residuals of the layer stack (what the backward loop reads under the remat
+  - activation bytes: JAX's own residuals of each layer stack (what the backward loop reads under the remat
     policy, traced at the per-device shapes), per layer run, and on top of them the larger of the loss's working
     set and one layer's backward working set (what XLA's buffer assignment keeps at the peak, see `estimate`);
   - collectives: derived layer by layer from what each split forces (the task's `collectives`);
@@ -168,7 +168,6 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   batch_ways = math.prod(sizes[a] for a in mesh_lib.BATCH_AXES)
   b = cfg.batch_size // accum // batch_ways        # sequences (images) per device per micro-step
   l = model.length // shards                       # tokens of each sequence on a device
-  layers = m.num_layers // stages
   act = _DTYPE_BYTES[m.dtype]
 
   params_pd = sum(r.bytes_per_device for r in table)
@@ -177,40 +176,47 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   if cfg.optimizer.ema_decay > 0:  # the average of the parameters, float32, split as they are
     optimizer_pd += sum(r.bytes_per_device // r.dtype.itemsize * 4 for r in table)
   grads_pd = params_pd * (2 if accum > 1 else 1)   # accumulation keeps a running sum beside each micro-step's
-  stack = model.stack(sizes)
 
-  def residuals(s):
-    r = _layer_residuals(s, l, fused_attention, shards)
+  def residuals(s, length):
+    r = _layer_residuals(s, length // shards, fused_attention, shards)
     split = r.stream - r.stream // tensor if s.sequence_parallel and tensor > 1 else 0
     return dataclasses.replace(r, layer=r.layer - split)  # the residual stream is split over `tensor` as well
 
-  kept = residuals(stack)
   rows = b // micro                                # sequences of one pipeline micro-batch (b without stages)
-  runs = iterations * layers // repeats            # layer runs per device and micro-step, fill and drain included
-  # The forward loop writes each layer run's residuals into buffers allocated for all runs before it starts (a
-  # pipeline keeps every iteration's, [T, P, b/M, ...]), and the backward loop reads them back: live from the
-  # first forward to the last backward, with the loop-invariant ones beside them once.
-  # A task whose batch-independent layer residuals are its weights as the block's matmuls use them (DiT: the
-  # reshaped projections) gets them gathered again for the backward pass under FSDP (the second all-gather per
-  # weight and layer in its collectives), not kept; the LM's are norm scales, kept.
-  layer_fixed = 0 if stack.fixed_are_weights and sizes["fsdp"] > 1 else kept.layer_fixed
-  stacked = runs * (rows * kept.layer + layer_fixed) + rows * kept.shared + kept.fixed
-  layer_weights = sum(r.bytes_per_device for r in costs.layer_rows(gathered)) // layers
-  if repeats > 1:
-    # The circular schedule picks each iteration's pass of weights with a gather inside the loop: to autodiff
-    # those are values of the iteration like any other, kept for every layer run.
-    stacked += runs * layer_weights
-  # The backward of one layer holds, at its peak, about one layer's residuals again: the slices it reads (XLA
-  # copies those it cannot fuse into their consumers) and the cotangents it writes; under remat, the recomputed
-  # forward's residuals. On top of those, what the task's block holds at that peak beyond its residuals
-  # (`stack.backward_peak`: the LM's MLP gradients, see meshtrain/families/lm.py), the layer's weights as it uses
-  # them (sliced out of the stacked parameters, gathered under FSDP), and the gradient of the residual stream
-  # that the backward loop carries from layer to layer, [b, l, D].
-  backward = rows * (residuals(stack.without_remat()).layer + stack.backward_peak(l, act))
-  backward += layer_weights + rows * l * m.d_model * act
+  # Each scanned stack (the LM's, DiT's one; Flux's encoder, double and single stacks in turn) keeps its residuals;
+  # the backward loops run in reverse order, each freeing its own, so a stack's backward has every earlier one's.
+  live = peak = 0                                  # residuals of the stacks so far; the highest backward peak
+  for stacked_run in model.stacks(sizes):
+    stack, ls, layers = stacked_run.stack, stacked_run.length // shards, stacked_run.layers // stages
+    kept = residuals(stack, stacked_run.length)
+    runs = iterations * layers // repeats          # layer runs per device and micro-step, fill and drain included
+    # The forward loop writes each layer run's residuals into buffers allocated for all runs before it starts (a
+    # pipeline keeps every iteration's, [T, P, b/M, ...]), and the backward loop reads them back: live from the
+    # first forward to the last backward, with the loop-invariant ones beside them once.
+    # A task whose batch-independent layer residuals are its weights as the block's matmuls use them (DiT: the
+    # reshaped projections) gets them gathered again for the backward pass under FSDP (the second all-gather per
+    # weight and layer in its collectives), not kept; the LM's are norm scales, kept.
+    layer_fixed = 0 if stack.fixed_are_weights and sizes["fsdp"] > 1 else kept.layer_fixed
+    stacked = runs * (rows * kept.layer + layer_fixed) + rows * kept.shared + kept.fixed
+    layer_weights = sum(r.bytes_per_device for r in gathered if r.path.startswith(stacked_run.prefix)) // layers
+    if repeats > 1:
+      # The circular schedule picks each iteration's pass of weights with a gather inside the loop: to autodiff
+      # those are values of the iteration like any other, kept for every layer run.
+      stacked += runs * layer_weights
+    # The backward of one layer holds, at its peak, about one layer's residuals again: the slices it reads (XLA
+    # copies those it cannot fuse into their consumers) and the cotangents it writes; under remat, the recomputed
+    # forward's residuals. On top of those, what the task's block holds at that peak beyond its residuals
+    # (`stack.backward_peak`: the LM's MLP gradients, see meshtrain/families/lm.py), the layer's weights as it uses
+    # them (sliced out of the stacked parameters, gathered under FSDP), and the gradient of the residual stream
+    # that the backward loop carries from layer to layer, [b, l, D].
+    backward = rows * (residuals(stack.without_remat(), stacked_run.length).layer + stack.backward_peak(ls, act))
+    backward += layer_weights + rows * ls * stack.width * act
+    live += stacked
+    peak = max(peak, live + backward)
   pipeline = 0
   if stages > 1:
-    # Each stage keeps its copy of the M-slot input store and the output slot, [M + 1, b/M, l, D].
+    # Each stage keeps its copy of the M-slot input store and the output slot, [M + 1, b/M, l, D]. (Pipelines are
+    # the LM's: one stack, whose `layers`, `kept` and `layer_weights` the loop above left.)
     pipeline = (micro + 1) * rows * l * m.d_model * act
     passes = layers // repeats
     if passes > 1:
@@ -225,14 +231,14 @@ def estimate(cfg, sizes: dict, boxed_params=None, fused_attention: bool = False)
   # freed before the layers' backward.
   loss = model.loss_bytes(b, l, sizes, act)
   # The gradients (zeroed at the start of the step) and the stacked residuals are live throughout; the peak is
-  # the larger of the loss and one layer's backward on top of them.
+  # the larger of the loss and one layer's backward on top of them (`peak`: of the stack whose backward is highest).
   # Not counted: XLA copies every AdamW moment at the start of the step (its parameter-update fusion recomputes
   # the new moments from the old ones, while another fusion writes the new moments into the donated buffers), 2x
   # the parameters of temporaries, but reuses the freed moment buffers for the step's other temporaries. Each
   # freed buffer holds one temporary at a time, so part of it can stay empty: XLA's figure is higher by that
   # (0.1-2 MB on the tiny model's layouts, up to 7% of the total; more where the moments are large next to the
   # activations, 18% with a 32K vocabulary).
-  activations = stacked + pipeline + max(backward, loss)
+  activations = pipeline + max(peak, live + loss)
 
   # The task's FLOPs per example by formula (the MFU numerator); the work splits evenly over the devices.
   model_flops = model.flops_per_example(table) * cfg.batch_size / n_dev

@@ -1,9 +1,9 @@
 """Cost helpers every task's cost model shares with meshtrain/analysis/estimate.py: the mesh of a layout without its
 devices, the stacked layer rows of the parameter table, the pipeline schedule's shape and the list that collects a
-task's collectives, and the base of each task's block stack. Nothing here knows a model family, so the tasks (below
-estimate) and estimate both import it."""
+task's collectives, the base of each task's block stack and the record that places a stack in its model. Nothing
+here knows a model family, so the tasks (below estimate) and estimate both import it."""
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 from jax.sharding import AbstractMesh, AxisType
 
@@ -59,3 +59,12 @@ class BlockStack:
 
   def without_remat(self):
     return dataclasses.replace(self, model=dataclasses.replace(self.model, remat="none"))
+
+
+class Stacked(NamedTuple):
+  """One scanned stack of identical blocks of a model, as a cost model's `stacks(sizes)` lists them in the order
+  the forward pass runs them (the LM and DiT have one; Flux three: text encoder, double- and single-stream)."""
+  stack: BlockStack  # the block as one device runs it: what estimate traces for its residuals
+  layers: int        # blocks in the stack (all stages together)
+  prefix: str        # the parameter table's rows of its stacked weights are those whose path starts so
+  length: int        # tokens of one example that its blocks carry (the residual stream's, [length, width])

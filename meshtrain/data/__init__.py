@@ -12,6 +12,7 @@ Modules, lowest first (each imports only modules listed before it):
   stdlib_corpus  the python_stdlib dataset, built from the interpreter's standard library
   digits         the digits image dataset, built from scikit-learn's copy
   shapes         the shapes dataset: captioned pictures of coloured shapes, drawn locally (task=t2i's default)
+  text_features  a frozen language model's hidden states of captions (task=t2i), computed once, cached beside the data
   sources        the Source contract, synthetic tokens, the seeds and epoch permutations every source shares
   packing        text documents (TFDS or files) packed into sequences, with their document index and token cache
   sft            prompt/completion and chat rows (loss on the completion / the assistant), python_stdlib_sft
@@ -32,7 +33,7 @@ _EXPORTS = {"Batches": "loader", "global_batch": "loader", "process_rows": "load
             "tokenizer_for_config": "select", "Source": "sources", "PAD_ID": "tokenization", "EOS_ID": "tokenization",
             "BOS_ID": "tokenization", "VOCAB_SIZE": "tokenization", "encode": "tokenization", "decode": "tokenization"}
 _MODULES = ("tokenization", "chat", "tfds_access", "files", "captioned", "stdlib_corpus", "digits", "shapes",
-            "sources", "packing", "sft", "mixture", "images", "select", "loader", "stats")
+            "text_features", "sources", "packing", "sft", "mixture", "images", "select", "loader", "stats")
 
 __all__ = [*_MODULES, *_EXPORTS]
 

@@ -53,6 +53,9 @@ class ImageSource:
   num_examples: int | None            # None: endless (synthetic)
   target_key = "labels"
   target_shape: tuple[int, ...] = ()
+  # task=t2i with a frozen text encoder: the target is the caption's row of this cache of its features
+  # (meshtrain/data/text_features.py), which `rows` turns into "text_features" and "text_keep".
+  text_cache = None
 
   def __init__(self, seed: int):
     self.seed = seed
@@ -72,8 +75,8 @@ class ImageSource:
     for r in range(stop - start):
       image, targets[r] = self.example(first + r)
       images_NHWC[r] = to_unit_range(image) if image.dtype == np.uint8 else image
-    return {"images": images_NHWC, self.target_key: targets,
-            "seeds": row_seeds(self.seed, self.split, first, stop - start)}
+    text = {self.target_key: targets} if self.text_cache is None else self.text_cache.take(targets)
+    return {"images": images_NHWC, **text, "seeds": row_seeds(self.seed, self.split, first, stop - start)}
 
 
 def caption_ids(text: str, length: int) -> np.ndarray:
@@ -85,23 +88,57 @@ def caption_ids(text: str, length: int) -> np.ndarray:
   return ids
 
 
+class Captions:
+  """Captions -> the text condition a t2i batch holds (numpy, the keys of meshtrain/families/t2i.py `text_keys`):
+  the own encoder's caption ids {"captions": int32[N, S]}, or the frozen encoder's {"text_features": float32[N, S,
+  G], "text_keep": bool[N, S]}, computed as the training data's cache computed them. What sampling, the training
+  run's sample grid and the server turn prompts into; the language model is loaded on the first prompts."""
+
+  def __init__(self, model_cfg):
+    self.model_cfg = model_cfg
+    self._frozen = None
+
+  def __call__(self, captions: list[str]) -> dict[str, np.ndarray]:
+    m = self.model_cfg
+    if m.text_encoder == "own":
+      return {"captions": np.stack([caption_ids(t, m.text_len) for t in captions]).astype(np.int32)}
+    if self._frozen is None:
+      from meshtrain.data import text_features  # pylint: disable=g-import-not-at-top  (JAX, the checkpoint reader)
+      self._frozen = text_features.FrozenTextEncoder(m)
+    return self._frozen(captions)
+
+  def blank(self, n: int) -> dict[str, np.ndarray]:
+    """The same arrays for n rows, all zeros: padding rows, and the inputs a sampler is compiled and warmed with."""
+    m = self.model_cfg
+    if m.text_encoder == "own":
+      return {"captions": np.zeros((n, m.text_len), np.int32)}
+    return {"text_features": np.zeros((n, m.text_len, m.text_width), np.float32),
+            "text_keep": np.zeros((n, m.text_len), bool)}
+
+
 class SyntheticImageSource(ImageSource):
   """Uniform noise in [-1, 1] and uniform labels (or, with text_len, random printable captions of that many bytes), a
   function of (seed, split, index); no files, endless."""
 
-  def __init__(self, seed: int, split: str, image_shape: tuple[int, int, int], num_classes: int, text_len: int = 0):
+  def __init__(self, seed: int, split: str, image_shape: tuple[int, int, int], num_classes: int, text_len: int = 0,
+               text_cache=None):
+    """text_cache: a frozen text encoder's stand-in (random features); each image takes one of its rows."""
     super().__init__(seed)
     self.name, self.split, self.image_shape = sources.SYNTHETIC, split, tuple(image_shape)
     self.num_classes = num_classes
     self.num_examples = None
-    self.text_len = text_len
+    self.text_len, self.text_cache = text_len, text_cache
     if text_len:
       self.target_key, self.target_shape = "captions", (text_len,)
+    if text_cache is not None:
+      self.target_key, self.target_shape = "caption_rows", ()
     self._seed = sources.derive_seed("synthetic_images", seed, split)
 
   def example(self, example_index: int) -> tuple[np.ndarray, int | np.ndarray]:
     rng = np.random.default_rng([self._seed, example_index])
     image = rng.uniform(-1, 1, self.image_shape).astype(np.float32)
+    if self.text_cache is not None:
+      return image, int(rng.integers(len(self.text_cache.keep)))
     if self.text_len:
       return image, caption_ids(bytes(rng.integers(32, 127, self.text_len).tolist()).decode(), self.text_len)
     return image, int(rng.integers(self.num_classes))
@@ -111,13 +148,17 @@ class TfdsImageSource(ImageSource):
   """The records of one split of a TFDS image dataset, read by random access in per-epoch permuted order."""
 
   def __init__(self, data_source, *, name: str, split: str, image_key: str, label_key: str,
-               image_shape: tuple[int, int, int], num_classes: int, seed: int, shuffle: bool, text_len: int = 0):
-    """label_key: the ClassLabel feature; with text_len > 0, the caption (Text) feature, read as caption_ids."""
+               image_shape: tuple[int, int, int], num_classes: int, seed: int, shuffle: bool, text_len: int = 0,
+               text_cache=None):
+    """label_key: the ClassLabel feature; with text_len > 0, the caption (Text) feature, read as caption_ids, or
+    with text_cache, as its row of the cache."""
     super().__init__(seed)
     self.name, self.split, self.image_key, self.label_key = name, split, image_key, label_key
-    self.text_len = text_len
+    self.text_len, self.text_cache = text_len, text_cache
     if text_len:
       self.target_key, self.target_shape = "captions", (text_len,)
+    if text_cache is not None:
+      self.target_key, self.target_shape = "caption_rows", ()
     self.image_shape, self.num_classes, self.shuffle = tuple(image_shape), num_classes, shuffle
     self._records = data_source
     self.num_examples = len(data_source)
@@ -159,7 +200,7 @@ class TfdsImageSource(ImageSource):
     image, target = np.asarray(values[self.image_key]), values[self.label_key]
     if self.text_len:
       text = target.decode("utf-8") if isinstance(target, bytes) else str(target)
-      target = caption_ids(text, self.text_len)
+      target = caption_ids(text, self.text_len) if self.text_cache is None else self.text_cache.row(text)
     else:
       target = int(target)
     if image.shape != self.image_shape:
@@ -245,8 +286,13 @@ def make_captioned_source(cfg, split: str, shuffle: bool) -> ImageSource:
   (data.image_key, data.caption_key), or synthetic."""
   data, model = cfg.data, cfg.model
   expected = (model.image_size, model.image_size, model.channels)
+  frozen = model.text_encoder != "own"
+  if frozen:
+    from meshtrain.data import text_features  # pylint: disable=g-import-not-at-top  (JAX)
+    text_features.source_meta(model)  # a wrong encoder is refused before any picture is converted
   if data.name == sources.SYNTHETIC:
-    return SyntheticImageSource(cfg.seed, split, expected, 1, text_len=model.text_len)
+    cache = text_features.synthetic_cache(model, cfg.seed) if frozen else None
+    return SyntheticImageSource(cfg.seed, split, expected, 1, text_len=model.text_len, text_cache=cache)
   from meshtrain.data import captioned, shapes  # pylint: disable=g-import-not-at-top  (Pillow: not on GPU machines)
   if config.is_path(data.name):
     ds, keys = captioned.open_split(cfg, split), (captioned.IMAGE, captioned.TEXT)
@@ -256,9 +302,16 @@ def make_captioned_source(cfg, split: str, shuffle: bool) -> ImageSource:
     ds, keys = tfds_access.open_tfds(data.name, split, data.data_dir), (data.image_key, data.caption_key)
   image_shape = check_caption_features(data.name, ds.dataset_info.features, *keys)
   check_image_size(data.name, image_shape, model)
+  cache = None
+  if frozen:
+    info = ds.dataset_info
+    dataset = {"name": info.full_name, "dir": str(info.data_dir), "split": split, "records": len(ds),
+               "bytes": [int(s.num_bytes) for s in info.splits.values()]}
+    text = lambda record: record.decode("utf-8") if isinstance(record, bytes) else str(record)
+    cache = text_features.cached(cfg, dataset, lambda: [text(ds[i][keys[1]]) for i in range(len(ds))])
   return TfdsImageSource(ds, name=data.name, split=split, image_key=keys[0], label_key=keys[1],
                          image_shape=image_shape, num_classes=1, seed=cfg.seed, shuffle=shuffle,
-                         text_len=model.text_len)
+                         text_len=model.text_len, text_cache=cache)
 
 
 def check_caption_features(name: str, features, image_key: str, caption_key: str) -> tuple[int, int, int]:

@@ -5,7 +5,6 @@ JAX-free config fields):
   dit.py  a class-conditional diffusion transformer on images (rectified flow)
   t2i.py  a text-to-image transformer on Flux's architecture (rectified flow)
 """
-from meshtrain.errors import UserError
 from meshtrain.families import dit, lm, t2i
 
 
@@ -24,9 +23,5 @@ def cost_model(cfg):
   if cfg.task == "dit":
     return dit.CostModel(cfg)
   if cfg.task == "t2i":
-    # Flux's two block stacks (double- and single-stream) are not one scanned stack of identical layers, which is
-    # what meshtrain/analysis/estimate.py models.
-    raise UserError("plan and inspect cannot estimate task=t2i yet (its double- and single-stream block stacks "
-                    "have no cost model); python -m meshtrain.bench measures it, and train prints what XLA compiled "
-                    "(memory per device, FLOPs) before the first step")
+    return t2i.CostModel(cfg)
   return lm.CostModel(cfg)

@@ -301,6 +301,10 @@ class CostModel:
     return LayerStack(_LocalConfig(**{**fields, "num_heads": c.num_heads // tensor, "mlp_dim": c.mlp_dim // tensor},
                                    local_head_dim=c.head_dim))
 
+  def stacks(self, sizes: dict) -> list[costs.Stacked]:
+    """One stack: the blocks, over an image's patches."""
+    return [costs.Stacked(self.stack(sizes), self.model_cfg.num_layers, "layers/", self.length)]
+
   def loss_bytes(self, b: int, l: int, sizes: dict, act: int) -> int:
     """The final layer and the loss: the final adaLN's normalised and modulated tokens ([b, l, D] each), and in
     float32 the predicted velocity, its target and their difference ([b, H, W, C] each). Always below one block's

@@ -264,6 +264,10 @@ class CostModel:
                                 num_experts=m.num_experts // sizes["expert"] if m.num_experts else 0)
     return LayerStack(local, self.cfg.sharding.sequence_parallel)
 
+  def stacks(self, sizes: dict) -> list[costs.Stacked]:
+    """One stack: the decoder's layers."""
+    return [costs.Stacked(self.stack(sizes), self.cfg.model.num_layers, "layers/", self.length)]
+
   def loss_bytes(self, b: int, l: int, sizes: dict, act: int) -> int:
     """The loss: float32 logits and their exponentials, [b, l, V] each (XLA writes the logits' gradient over the
     latter), and that gradient cast to the compute dtype for the head's matmuls unless that is float32; all freed

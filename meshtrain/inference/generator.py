@@ -32,7 +32,7 @@ from meshtrain.data import tokenization as tokenizer_lib
 from meshtrain.errors import UserError
 from meshtrain.inference.sampling import Output, Sampling, bucket
 from meshtrain.kernels import cpu_matmul
-from meshtrain.models.llama import DenseProducts, ModelConfig, Transformer, init_cache
+from meshtrain.models.llama import DenseProducts, ModelConfig, Transformer, init_cache, layers_as
 from meshtrain.runtime import startup
 
 # Decode runs at least this many rows (the rest padding). With one row XLA's CPU backend drops the unit batch
@@ -72,20 +72,6 @@ def sample(logits_BV, key, sampling: Sampling, num_ids: int | None = None):
     cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
     logits_BV = jnp.where(logits_BV < cutoff_B1, -jnp.inf, logits_BV)
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
-
-
-def layers_as(params: dict, num_layers: int, stacked: bool) -> dict:
-  """The parameter tree with its layers stacked (`layers`, [N, ...] leaves: a scanned model's) or one subtree per
-  layer (`layer_0`, ...: an unrolled model's), whichever `params` has; numpy or jax arrays."""
-  if stacked and "layers" not in params:
-    per_layer = [params[f"layer_{i}"] for i in range(num_layers)]
-    rest = {k: v for k, v in params.items() if not k.startswith("layer_")}
-    stack = lambda *a: np.stack(a) if isinstance(a[0], np.ndarray) else jnp.stack(a)
-    return {**rest, "layers": jax.tree.map(stack, *per_layer)}
-  if not stacked and "layers" in params:
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    return {**rest, **{f"layer_{i}": jax.tree.map(lambda a: a[i], params["layers"]) for i in range(num_layers)}}
-  return params
 
 
 @functools.lru_cache

@@ -44,8 +44,9 @@ MAX_BATCH = 32  # pictures sampled in one program: the requests that arrive toge
 
 @dataclasses.dataclass(eq=False)
 class ImageRequest:
-  """`n` images of `condition` (a class label, or a prompt's caption ids); `on_done(request)` is called on the
-  engine thread when `pngs` is set. `steps` and `guidance`: the request's own (prompts only), else the run's."""
+  """`n` images of `condition` (a class label, or a prompt's text condition: PromptEngine.condition_of);
+  `on_done(request)` is called on the engine thread when `pngs` is set. `steps` and `guidance`: the request's own
+  (prompts only), else the run's."""
   condition: object
   n: int = 1
   seed: int | None = None
@@ -219,10 +220,12 @@ class PromptEngine(ImageEngine):
   MAX_BATCH pictures, in one program of `samplers(steps)` (a t2i_sampler.Sampler per step count, made on first
   use); guidance per request. The batch is padded to a power of two: few programs are ever compiled."""
 
-  def __init__(self, samplers, params, text_len: int, image_shape, step: int, steps: int, guidance: float,
-               max_queue: int = 64, max_n: int = 8, live: LiveCheckpoints | None = None,
+  def __init__(self, samplers, params, captions: images_lib.Captions, image_shape, step: int, steps: int,
+               guidance: float, max_queue: int = 64, max_n: int = 8, live: LiveCheckpoints | None = None,
                served: ServedParams | None = None, warm_first: bool = False):
-    self.samplers, self.text_len, self.steps, self.guidance = samplers, text_len, steps, guidance
+    """captions: turns a prompt into what the sampler takes (the own encoder's ids, or a frozen encoder's
+    features)."""
+    self.samplers, self.captions, self.steps, self.guidance = samplers, captions, steps, guidance
     super().__init__(None, params, 0, image_shape, step, None, max_queue, max_n, live, served, warm_first)
 
   def programs(self) -> list[tuple]:
@@ -232,17 +235,18 @@ class PromptEngine(ImageEngine):
 
   def _sample_with(self, kind: str, padded: int, steps: int | None = None) -> None:
     del kind
-    self._pictures(steps, np.zeros((padded, self.text_len), np.int32), np.zeros(padded, np.uint32),
+    self._pictures(steps, self.captions.blank(padded), np.zeros(padded, np.uint32),
                    np.arange(padded, dtype=np.int32), np.full(padded, self.guidance, np.float32))
 
-  def _pictures(self, steps: int, ids_NS, seeds_N, index_N, guidance_N) -> np.ndarray:
-    self.compiled.add(("pictures", len(ids_NS), steps))
-    return self.samplers(steps)(self.params, ids_NS, seeds_N, index_N, guidance_N)
+  def _pictures(self, steps: int, texts: dict, seeds_N, index_N, guidance_N) -> np.ndarray:
+    self.compiled.add(("pictures", len(seeds_N), steps))
+    return self.samplers(steps)(self.params, texts, seeds_N, index_N, guidance_N)
 
-  def condition_of(self, prompt) -> np.ndarray:
+  def condition_of(self, prompt) -> dict:
+    """The prompt's text condition, one row of each of `captions`' arrays."""
     if not isinstance(prompt, str) or not prompt.strip():
       raise UserError("prompt must be the text of the picture to draw (a non-empty string)")
-    return images_lib.caption_ids(prompt, self.text_len)
+    return self.captions([prompt])
 
   def step(self) -> bool:
     self.swap()
@@ -260,14 +264,15 @@ class PromptEngine(ImageEngine):
     try:
       live = [r for r in batch if not r.cancelled]
       if live:
-        ids = np.concatenate([np.repeat(r.condition[None], r.n, axis=0) for r in live])
+        texts = {k: np.concatenate([np.repeat(r.condition[k], r.n, axis=0) for r in live]) for k in live[0].condition}
         seeds = np.concatenate([np.full(r.n, r.seed, np.uint32) for r in live])
         index = np.concatenate([np.arange(r.n, dtype=np.int32) for r in live])
         guidance = np.concatenate([np.full(r.n, self.guidance if r.guidance is None else r.guidance, np.float32)
                                    for r in live])
-        padded = 1 << (len(ids) - 1).bit_length()
-        extra = padded - len(ids)
-        pictures = self._pictures(steps, np.concatenate([ids, np.zeros((extra, self.text_len), np.int32)]),
+        padded = 1 << (len(seeds) - 1).bit_length()
+        extra = padded - len(seeds)
+        blank = self.captions.blank(extra)
+        pictures = self._pictures(steps, {k: np.concatenate([a, blank[k]]) for k, a in texts.items()},
                                   np.concatenate([seeds, np.zeros(extra, np.uint32)]),
                                   np.concatenate([index, np.zeros(extra, np.int32)]),
                                   np.concatenate([guidance, np.zeros(extra, np.float32)]))
@@ -318,7 +323,7 @@ def prompt_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bo
   params, _, step = checkpoint.read_params(workdir, step, asked, mesh=mesh, shardings=layout.state_sharding.params)
   m, s = cfg.model, cfg.sample
   samplers = functools.cache(lambda steps: t2i_sampler.Sampler(layout, steps, s.guidance))
-  return PromptEngine(samplers, params, m.text_len, (m.image_size, m.image_size, m.channels), step, s.steps,
+  return PromptEngine(samplers, params, images_lib.Captions(m), (m.image_size, m.image_size, m.channels), step, s.steps,
                       s.guidance, max_queue, max_n, served=ServedParams(layout, params), warm_first=warm_first)
 
 

@@ -26,17 +26,18 @@ GRID_TEXT_PX = 18   # the band above each row holding its prompt
 GRID_BACKGROUND = 255
 
 
-def prompt_ids(prompts: list[str], per_prompt: int, text_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """(caption ids int32[N, S], index int32[N]): each prompt `per_prompt` times, in order, and each image's rank
-  within its prompt (with the seed, its noise)."""
-  ids = np.stack([images_lib.caption_ids(p, text_len) for p in prompts])
-  return np.repeat(ids, per_prompt, axis=0), np.tile(np.arange(per_prompt, dtype=np.int32), len(prompts))
+def prompt_texts(captions: images_lib.Captions, prompts: list[str], per_prompt: int) -> tuple[dict, np.ndarray]:
+  """(the text condition of N pictures as `captions` gives it, index int32[N]): each prompt `per_prompt` times, in
+  order, and each image's rank within its prompt (with the seed, its noise)."""
+  texts = {k: np.repeat(a, per_prompt, axis=0) for k, a in captions(prompts).items()}
+  return texts, np.tile(np.arange(per_prompt, dtype=np.int32), len(prompts))
 
 
 class Sampler:
-  """(params, caption ids [N, S], seeds [N], index [N], guidance [N] or one) -> images float32[N, H, W, C] in
-  [0, 1], `steps` Euler steps compiled for a layout's mesh; rows split over its batch axes (N padded to a multiple),
-  inputs and outputs replicated. Guidance is an input, not compiled in: one program serves requests of any."""
+  """(params, texts {key: [N, ...]} as images_lib.Captions gives them, seeds [N], index [N], guidance [N] or one) ->
+  images float32[N, H, W, C] in [0, 1], `steps` Euler steps compiled for a layout's mesh; rows split over its batch
+  axes (N padded to a multiple), inputs and outputs replicated. Guidance is an input, not compiled in: one program
+  serves requests of any."""
 
   def __init__(self, layout, steps: int, guidance: float):
     self.layout, self.steps, self.guidance = layout, int(steps), float(guidance)
@@ -47,23 +48,24 @@ class Sampler:
     rows = NamedSharding(mesh, sharding.logical_to_spec(("act_batch", None, None, None), layout.rules))
     replicated = NamedSharding(mesh, P())
 
-    def images(params, ids_NS, seeds_N, index_N, guidance_N):
+    def images(params, texts, seeds_N, index_N, guidance_N):
       noise_NHWC = jax.vmap(lambda s, k: jax.random.normal(jax.random.fold_in(jax.random.key(s), k), shape,
                                                             jnp.float32))(seeds_N, index_N)
       noise_NHWC = jax.lax.with_sharding_constraint(noise_NHWC, rows)
-      out_NHWC = layout.task.sample(params, ids_NS, noise_NHWC, self.steps, guidance_N)
+      out_NHWC = layout.task.sample(params, texts, noise_NHWC, self.steps, guidance_N)
       return jnp.clip((out_NHWC.astype(jnp.float32) + 1) / 2, 0, 1)
 
     self._images = jax.jit(images, in_shardings=(layout.state_sharding.params, *[replicated] * 4),
                            out_shardings=replicated)
 
-  def __call__(self, params, ids_NS, seeds_N, index_N, guidance_N=None) -> np.ndarray:
-    n = len(ids_NS)
+  def __call__(self, params, texts: dict, seeds_N, index_N, guidance_N=None) -> np.ndarray:
+    n = len(seeds_N)
     padded = -(-n // self.ways) * self.ways
     pad = lambda a, dtype: np.concatenate([np.asarray(a, dtype), np.zeros((padded - n, *np.shape(a)[1:]), dtype)])
     guidance_N = np.full(n, self.guidance) if guidance_N is None else guidance_N
     with self.layout.context():
-      out = self._images(params, pad(ids_NS, np.int32), pad(seeds_N, np.uint32), pad(index_N, np.int32),
+      out = self._images(params, {k: pad(a, a.dtype) for k, a in texts.items()}, pad(seeds_N, np.uint32),
+                         pad(index_N, np.int32),
                          pad(guidance_N, np.float32))
     return np.asarray(jax.device_get(out))[:n]
 
@@ -131,8 +133,8 @@ def sample_workdir(cfg, workdir, step: int, asked: bool, prompts: list[str], per
   cfg.batch_size = -(-len(prompts) * per_prompt // ways) * ways
   layout = layout_lib.build(cfg, mesh)
   params, _, step = checkpoint.read_params(workdir, step, asked, mesh=mesh, shardings=layout.state_sharding.params)
-  ids, index = prompt_ids(prompts, per_prompt, cfg.model.text_len)
-  return Sampler(layout, steps, guidance)(params, ids, np.full(len(ids), seed, np.uint32), index), step
+  texts, index = prompt_texts(images_lib.Captions(cfg.model), prompts, per_prompt)
+  return Sampler(layout, steps, guidance)(params, texts, np.full(len(index), seed, np.uint32), index), step
 
 
 def judged(data_name: str, pictures01_NHWC, prompts: list[str]) -> dict[str, float]:

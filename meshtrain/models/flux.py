@@ -20,7 +20,9 @@ positions in the joint attention (the encoder gave the text its order). Padded t
 
 The text features come from `TextEncoder`, a small bidirectional transformer over UTF-8 bytes trained with the
 model (the tiny config's default): its last hidden states, and their mean over the caption's bytes as the pooled
-vector. Every parameter names its logical axes (meshtrain/sharding.py maps them onto the mesh), as in llama.py:
+vector. Or (model.text_encoder a language model's workdir) from a frozen language model's hidden states, computed
+once per caption outside the model (meshtrain/data/text_features.py), normalised here (`frozen_features`).
+Every parameter names its logical axes (meshtrain/sharding.py maps them onto the mesh), as in llama.py:
 q/k/v [embed, heads, head_dim], out [heads, head_dim, embed], MLP [embed, mlp] / [mlp, embed].
 The objective and the sampler live with the task: meshtrain/families/t2i.py.
 """
@@ -57,6 +59,7 @@ class FluxConfig:
   text_layers: int
   text_heads: int
   text_mlp_dim: int
+  text_encoder: str = "own"       # own: TextEncoder below, trained with the model | a frozen language model's features
   caption_dropout: float = 0.1  # read by the task's loss (caption -> empty), not by the network
   init_std: float = 0.02
   dtype: str = "float32"
@@ -80,6 +83,10 @@ class FluxConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def text_head_dim(self) -> int:
+    return self.text_width // self.text_heads
 
 
 def rms_norm(x, scale):
@@ -144,17 +151,18 @@ class Modulation(nn.Module):
 
 
 class QKV(nn.Module):
-  """q, k, v [B, L, A, E] of one stream, q and k RMS-normalised per head (Flux's QKNorm)."""
+  """q, k, v [B, L, A, E] of one stream, q and k RMS-normalised per head (Flux's QKNorm). The head width is given:
+  width / num_heads in the model, the full one for a device's share of the heads (the cost model's trace)."""
   width: int
   num_heads: int
+  head_dim: int
   init_std: float
   dtype: str
   param_dtype: str
 
   @nn.compact
   def __call__(self, x_BLD):
-    D, A = self.width, self.num_heads
-    E = D // A
+    D, A, E = self.width, self.num_heads, self.head_dim
     out = []
     for name in ("q", "k", "v"):
       w = param(self, name, (D, A, E), ("embed", "heads", "head_dim"), self.init_std, self.param_dtype)
@@ -207,7 +215,7 @@ class DoubleBlock(nn.Module):
     vec_BD, angle_JR, keep_BJ = context
     S = txt_BSD.shape[1]
     mods = {s: Modulation(c.d_model, 6, c.dtype, c.param_dtype, name=f"{s}_mod")(vec_BD) for s in ("img", "txt")}
-    qkv = {s: QKV(c.d_model, c.num_heads, **_parts(c), name=f"{s}_qkv")(
+    qkv = {s: QKV(c.d_model, c.num_heads, c.head_dim, **_parts(c), name=f"{s}_qkv")(
         modulate(layer_norm(x), mods[s][:, 0], mods[s][:, 1])) for s, x in (("img", img_BTD), ("txt", txt_BSD))}
     # Joint attention over [text, image], Flux's order.
     q, k, v = (jnp.concatenate([qkv["txt"][i], qkv["img"][i]], axis=1) for i in range(3))
@@ -232,7 +240,7 @@ class SingleBlock(nn.Module):
     vec_BD, angle_JR, keep_BJ = context
     m = Modulation(c.d_model, 3, c.dtype, c.param_dtype, name="mod")(vec_BD)
     h_BJD = modulate(layer_norm(x_BJD), m[:, 0], m[:, 1])
-    q, k, v = QKV(c.d_model, c.num_heads, **_parts(c), name="qkv")(h_BJD)
+    q, k, v = QKV(c.d_model, c.num_heads, c.head_dim, **_parts(c), name="qkv")(h_BJD)
     o_BJAE = heads(attention(rotate(q, angle_JR), rotate(k, angle_JR), v, keep_BJ))
     # Flux's linear1 / linear2 hold q/k/v with the MLP's input, and the attention output with its output; split
     # here into named parts so that each takes its own logical axes (heads and mlp split over `tensor`).
@@ -254,7 +262,8 @@ class EncoderBlock(nn.Module):
     c = self.cfg
     angle_SR, keep_BS = context
     norm = lambda name: param(self, name, (c.text_width,), ("norm",), None, c.param_dtype)
-    q, k, v = QKV(c.text_width, c.text_heads, **_parts(c), name="qkv")(rms_norm(x_BSG, norm("attn_norm")))
+    q, k, v = QKV(c.text_width, c.text_heads, c.text_head_dim, **_parts(c), name="qkv")(
+        rms_norm(x_BSG, norm("attn_norm")))
     o_BSAE = heads(attention(rotate(q, angle_SR), rotate(k, angle_SR), v, keep_BS))
     x_BSG = tokens(x_BSG + out_proj(self, "proj", o_BSAE, c.text_width, **_parts(c)))
     h_BSG = MLP(c.text_width, c.text_mlp_dim, **_parts(c), name="mlp")(rms_norm(x_BSG, norm("mlp_norm")))
@@ -300,15 +309,33 @@ def embedder(module: nn.Module, name: str, x_BI, c: FluxConfig):
   return h_BD @ w2.astype(c.dtype) + b2.astype(c.dtype)
 
 
+def frozen_features(module: nn.Module, text: dict, c: FluxConfig):
+  """A frozen encoder's features (meshtrain/data/text_features.py) as the model reads them: RMS-normalised with a
+  learned scale (a language model's hidden states before its final norm reach magnitudes in the hundreds, which
+  Lumina-Image 2.0 and Z-Image tame the same way), and their mean over the caption's tokens as the pooled vector:
+  (features [B, S, G], pooled [B, G], keep bool[B, S])."""
+  keep_BS = text["text_keep"].astype(bool)
+  scale = param(module, "text_norm", (c.text_width,), ("norm",), None, c.param_dtype)
+  x_BSG = tokens(rms_norm(text["text_features"].astype(c.dtype), scale))
+  count_B = jnp.maximum(jnp.sum(keep_BS, axis=1, keepdims=True), 1).astype(jnp.float32)
+  pooled_BG = jnp.sum(jnp.where(keep_BS[..., None], x_BSG.astype(jnp.float32), 0), axis=1) / count_B
+  return x_BSG, pooled_BG.astype(c.dtype), keep_BS
+
+
 class Flux(nn.Module):
-  """(x_t [B, H, W, C], t [B] in [0, 1], caption ids int32[B, S]) -> velocity [B, H, W, C] float32."""
+  """(x_t [B, H, W, C], t [B] in [0, 1], text) -> velocity [B, H, W, C] float32. `text`: caption ids int32[B, S]
+  with the own encoder (text_encoder "own"), else a frozen encoder's {"text_features": [B, S, G], "text_keep":
+  bool[B, S]}."""
   cfg: FluxConfig
 
   @nn.compact
-  def __call__(self, x_BHWC, t_B, ids_BS):
+  def __call__(self, x_BHWC, t_B, text):
     c = self.cfg
     D, X = c.d_model, c.patch_dim
-    txt_BSG, pooled_BG, keep_BS = TextEncoder(c, name="text")(ids_BS)
+    if c.text_encoder == "own":
+      txt_BSG, pooled_BG, keep_BS = TextEncoder(c, name="text")(text)
+    else:
+      txt_BSG, pooled_BG, keep_BS = frozen_features(self, text, c)
     w_img = param(self, "img_in", (X, D), (None, "embed"), c.init_std, c.param_dtype)
     b_img = zeros(self, "img_in_bias", (D,), ("embed",), c.param_dtype)
     img_BTD = tokens(dense(patchify(x_BHWC.astype(c.dtype), c.patch_size), w_img.astype(c.dtype), "X,XD->D")
@@ -319,10 +346,10 @@ class Flux(nn.Module):
     vec_BD = embedder(self, "time", timestep_features(t_B), c) + embedder(self, "vector", pooled_BG, c)
     vec_BD = nn.with_logical_constraint(vec_BD, ("act_batch", "act_embed"))
 
-    S = ids_BS.shape[1]
+    S = keep_BS.shape[1]
     pos_JN = jnp.concatenate([jnp.zeros((S, 3), jnp.int32), image_positions(c.image_size // c.patch_size)])
     angle_JR = rope_angles(pos_JN, c.axes_dim)
-    keep_BJ = jnp.concatenate([keep_BS, jnp.ones((ids_BS.shape[0], c.tokens), bool)], axis=1)
+    keep_BJ = jnp.concatenate([keep_BS, jnp.ones((keep_BS.shape[0], c.tokens), bool)], axis=1)
     context = (vec_BD, angle_JR, keep_BJ)
     (img_BTD, txt_BSD), _ = stacked(DoubleBlock, c, c.double_layers, "double")((img_BTD, txt_BSD), context)
     x_BJD, _ = stacked(SingleBlock, c, c.single_layers, "single")(
@@ -341,7 +368,7 @@ def flops_per_image(c: FluxConfig) -> float:
   """Model FLOPs of one training image (forward and backward, matmuls and attention): 3 x the forward's.
 
   Forward, 2 FLOPs per multiply-add, T image and S text tokens, J = S + T:
-    text encoder per layer   2 S 4 G G (q, k, v, out) + 4 S S G (attention) + 2 S 2 G F_t (MLP)
+    text encoder per layer   2 S 4 G G (q, k, v, out) + 4 S S G (attention) + 2 S 2 G F_t (MLP); the own one only
     embeddings               2 T X D (patches) + 2 S G D (txt_in) + 2 (Q D + D D) + 2 (G D + D D) (time, vector)
     double block             2 D 12 D (modulation) + 2 J 4 D D + 4 J J D + 2 J 2 D F
     single block             2 D 3 D + 2 J 4 D D + 4 J J D + 2 J 2 D F
@@ -350,7 +377,9 @@ def flops_per_image(c: FluxConfig) -> float:
   """
   T, S, D, X, G, Q = c.tokens, c.text_len, c.d_model, c.patch_dim, c.text_width, FREQUENCIES
   J = S + T
-  encoder = c.text_layers * (2 * S * 4 * G * G + 4 * S * S * G + 2 * S * 2 * G * c.text_mlp_dim)
+  # A frozen encoder's features are computed once per caption, not per training step.
+  encoder = 0 if c.text_encoder != "own" else c.text_layers * (
+      2 * S * 4 * G * G + 4 * S * S * G + 2 * S * 2 * G * c.text_mlp_dim)
   embed = 2 * T * X * D + 2 * S * G * D + 2 * (Q * D + D * D) + 2 * (G * D + D * D)
   joint = 2 * J * 4 * D * D + 4 * J * J * D + 2 * J * 2 * D * c.mlp_dim
   blocks = c.double_layers * (2 * D * 12 * D + joint) + c.single_layers * (2 * D * 3 * D + joint)

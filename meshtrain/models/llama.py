@@ -14,6 +14,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshtrain import sharding
 from meshtrain.models import attention, rope
@@ -365,6 +366,20 @@ def unrolled_layers(c: ModelConfig) -> int:
   return c.num_layers if c.num_layers <= MAX_AUTO_UNROLL and c.remat == "none" and not context_axis() else 1
 
 
+def layers_as(params: dict, num_layers: int, stacked: bool) -> dict:
+  """The parameter tree with its layers stacked (`layers`, [N, ...] leaves: a scanned model's) or one subtree per
+  layer (`layer_0`, ...: an unrolled model's), whichever `params` has; numpy or jax arrays."""
+  if stacked and "layers" not in params:
+    per_layer = [params[f"layer_{i}"] for i in range(num_layers)]
+    rest = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    stack = lambda *a: np.stack(a) if isinstance(a[0], np.ndarray) else jnp.stack(a)
+    return {**rest, "layers": jax.tree.map(stack, *per_layer)}
+  if not stacked and "layers" in params:
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**rest, **{f"layer_{i}": jax.tree.map(lambda a: a[i], params["layers"]) for i in range(num_layers)}}
+  return params
+
+
 class Transformer(nn.Module):
   """tokens [B, L] int32 (and optionally each column's position [L]) -> logits [B, L, V] float32.
 
@@ -455,3 +470,24 @@ class Transformer(nn.Module):
     logits_BLV = nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
     new_cache = cache.replace(k_NBKSE=k_NBKSE, v_NBKSE=v_NBKSE, end=cache.end + tokens_BL.shape[1])
     return logits_BLV, new_cache
+
+
+class HiddenStates(nn.Module):
+  """tokens [B, L] -> the residual stream after the first cfg.num_layers blocks [B, L, D], through the final norm
+  with `normed`: Hugging Face's hidden_states[k] (its last one is normed). A frozen text encoder's features
+  (meshtrain/data/text_features.py). The parameter names are Transformer's, so a language model's parameters (its
+  first k stacked layers) apply as they are; the head is not used."""
+  cfg: ModelConfig
+  normed: bool
+
+  @nn.compact
+  def __call__(self, tokens_BL):
+    c = self.cfg
+    embed_VD = param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype,
+                     c.init, FanIn(in_axes=(), distribution="normal"))
+    x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.dtype)
+    if c.num_layers:
+      stack = nn.scan(Block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True},
+                      in_axes=nn.broadcast, length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BLD, _ = stack(c, name="layers")(x_BLD, jnp.arange(tokens_BL.shape[1]))
+    return RMSNorm(c, name="final_norm")(x_BLD) if self.normed else x_BLD

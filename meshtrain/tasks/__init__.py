@@ -55,10 +55,14 @@ residuals of the block stack, per layer run; the peak; step time) and asks the t
   abstract_params()                           the boxed parameter shapes with logical axes (jax.eval_shape of init)
   flops_per_example(table), recomputed_flops_per_example(table)   the MFU numerator, and what remat adds
   batch_bytes_per_example(length)             one row of the batch, with `length` of its tokens on a device
-  stack(sizes) -> hashable LayerStack          the block stack as one device runs it: width, dims, sequence_parallel,
-                                              without_remat(), backward_peak(l, act) (bytes per example the block's
-                                              backward holds beyond its residuals), gradient_jaxpr(batch, L, shards)
-                                              (the gradient of a two-layer nn.scan of the block, for the residuals)
+  stacks(sizes) -> list[costs.Stacked]        the model's scanned block stacks in forward order (LM, DiT: one; t2i:
+                                              text encoder, double, single), each with its layer count, the path
+                                              prefix of its stacked weights, its tokens per example, and a hashable
+                                              LayerStack: the block as one device runs it: width, dims,
+                                              sequence_parallel, without_remat(), backward_peak(l, act) (bytes per
+                                              example the block's backward holds beyond its residuals),
+                                              gradient_jaxpr(batch, L, shards) (the gradient of a two-layer nn.scan
+                                              of the block, for the residuals)
   loss_bytes(b, l, sizes, act)                the working set of the loss and what runs outside the stack
   collectives(sizes, table, gathered, b, l, act) -> list[hlo.Collective]   per device per step, what each split
                                               forces in the task's blocks (estimate.CollectiveList builds it)
