@@ -118,10 +118,13 @@ def test_flux_resolution_shift():
   assert t2i.time_shift(c, 3.0) == 3.0 and t2i.shifted(0.5, 3.0) == pytest.approx(0.75)
 
 
-def test_refuses_sequence_and_stage_splits():
-  for axis in ("sequence", "stage"):
-    with pytest.raises(UserError, match=f"mesh.{axis}=2"):
-      t2i.check_parallelism({axis: 2})
+def test_refuses_stage_splits_and_sequence_splits_that_do_not_divide():
+  with pytest.raises(UserError, match="mesh.stage=2"):
+    t2i.check_parallelism({"stage": 2})
+  c = flux.FluxConfig.from_config(tiny_cfg().model)  # 16 image tokens, 12 caption bytes
+  t2i.check_parallelism({"sequence": 4}, c)
+  with pytest.raises(UserError, match="mesh.sequence=8 must divide"):
+    t2i.check_parallelism({"sequence": 8}, c)
 
 
 STEPS = 3
@@ -130,6 +133,9 @@ LAYOUTS = {
     "fsdp=8": ({"data": 1, "fsdp": 8}, "fsdp"),
     "data=4 x tensor=2": ({"data": 4, "tensor": 2}, "tp"),
     "fsdp=2 x tensor=2 x data=2": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
+    # The caption's and the image's tokens split over `sequence`: the joint attention gathers keys and values.
+    "sequence=4 x data=2": ({"data": 2, "sequence": 4}, "dp"),
+    "sequence=2 x fsdp=2 x tensor=2": ({"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, "fsdp_tp"),
 }
 
 
