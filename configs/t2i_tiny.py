@@ -3,9 +3,10 @@ locally drawn `shapes` dataset ("a red circle", 32x32), 2 simulated CPU devices.
 
   python -m meshtrain.train --config configs/t2i_tiny.py --workdir runs/t2i
 
-About 16 minutes on an idle 2-core CPU (80-84 images/s): held-out captions (pairs of words never seen together) get
-their colour right 2 times in 3 and both colour and shape 1 in 3, seen ones colour always and shape half the time,
-by the shapes judge (benchmarks/2026-12-05-t2i-quality.md; --config.steps=1500 learns the shapes: 0.92 on seen).
+About 12 minutes on an idle 2-core CPU (121 images/s, its stacks of 2 blocks unrolled): held-out captions (pairs of
+words never seen together) get their colour right about half the time and both colour and shape one time in five, seen
+ones colour always and shape half the time, by the shapes judge (benchmarks/2026-12-07-t2i-unroll.md;
+--config.steps=1500 learns the shapes: 0.92 on seen).
 
 Your own captioned pictures instead (a folder with metadata.jsonl / metadata.csv, or class subfolders; see
 docs/image-generation.md), resized to model.image_size:

@@ -153,4 +153,6 @@ def t2i_model_config(name: str) -> ml_collections.ConfigDict:
   m.dtype = "float32"             # compute dtype: float32 | bfloat16
   m.param_dtype = "float32"
   m.remat = "none"                # none | full
+  m.scan_unroll = 0               # blocks per loop iteration of each stack: 0 = auto (a stack of at most 4 blocks
+                                  # without remat is unrolled: no loop) | n
   return m

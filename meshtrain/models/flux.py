@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.models.dit import FREQUENCIES, layer_norm, modulate, patchify, timestep_features, unpatchify
-from meshtrain.models.llama import dense
+from meshtrain.models.llama import MAX_AUTO_UNROLL, dense
 from meshtrain.models.params import param, zeros
 
 PAD = 0  # caption id of padding (and of an empty caption: every id PAD); bytes are ids 1..256
@@ -65,6 +65,7 @@ class FluxConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: str = "none"
+  scan_unroll: int = 0            # blocks per loop iteration of each stack: 0 = auto (see `unrolled`) | n
 
   @classmethod
   def from_config(cls, model_cfg) -> "FluxConfig":
@@ -270,12 +271,24 @@ class EncoderBlock(nn.Module):
     return tokens(x_BSG + h_BSG), None
 
 
+def unrolled(c: FluxConfig, length: int) -> int:
+  """Blocks per loop iteration of a stack of `length`: model.scan_unroll, or when 0 (auto) the whole stack (no loop)
+  for at most MAX_AUTO_UNROLL blocks without remat, else 1, as the language model's (meshtrain/models/llama.py
+  `unrolled_layers`): a loop keeps its residuals in stacked buffers written and read with dynamic slices, and its
+  small per-block programs fuse worse; configs/t2i_tiny.py trains 1.25x faster unrolled (python -m meshtrain.bench,
+  benchmarks/)."""
+  if c.scan_unroll:
+    return min(c.scan_unroll, length)
+  return length if length <= MAX_AUTO_UNROLL and c.remat == "none" else 1
+
+
 def stacked(block, c: FluxConfig, length: int, name: str):
   """`length` blocks as one nn.scan over stacked parameters (axis `layers`), remat-wrapped under remat=full."""
   if c.remat == "full":
     block = nn.remat(block, prevent_cse=False)
   return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
-                 length=length, metadata_params={nn.PARTITION_NAME: "layers"})(c, name=name)
+                 length=length, unroll=max(unrolled(c, length), 1),
+                 metadata_params={nn.PARTITION_NAME: "layers"})(c, name=name)
 
 
 class TextEncoder(nn.Module):

@@ -46,6 +46,8 @@ def check(cfg) -> None:
     raise UserError(f"model.axes_dim={tuple(m.axes_dim)} must be 3 positive even numbers (RoPE features of the "
                     f"coordinates 0, row, column) summing to the head width {head}; e.g. "
                     f"({first}, {second}, {head - first - second})")
+  if m.scan_unroll < 0:
+    raise UserError(f"model.scan_unroll={m.scan_unroll} must be >= 0 (0: auto; n: blocks per loop iteration)")
   if not 0 <= m.caption_dropout < 1:
     raise UserError(f"model.caption_dropout={m.caption_dropout} must lie in [0, 1): the fraction of training "
                     "captions replaced by the empty one (0.1 is usual; 0 trains no unconditional model for guidance)")
