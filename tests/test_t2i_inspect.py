@@ -4,6 +4,7 @@ configs/t2i_tiny.py."""
 import json
 
 import pytest
+from test_plan_dit import LAYOUTS  # the same four layouts as the DiT's
 
 from meshtrain import config as config_lib, families
 from meshtrain.analysis import compiled as inspect_lib, estimate
@@ -13,13 +14,6 @@ from meshtrain.models.flux import FluxConfig
 
 T2I = "configs/t2i_tiny.py"
 LAYERS = 2  # the tiny preset's depth of each of its three stacks (text encoder, double, single), each a loop
-LAYOUTS = {
-    "data=8": ["--config.mesh.data=8"],
-    "fsdp=8": ["--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.sharding.rules=fsdp"],
-    "data=2 x tensor=4": ["--config.mesh.data=2", "--config.mesh.tensor=4", "--config.sharding.rules=tp"],
-    "fsdp=2 x tensor=2 x data=2": ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-                                   "--config.sharding.rules=fsdp_tp"],
-}
 # Hand-derived from Flux's blocks (the derivation is families/t2i.py CostModel.collectives), 2 blocks per stack:
 #   data=8: one combined gradient all-reduce per block in the backward loops + one for everything else;
 #   fsdp=8: per block every split weight gathered for the forward pass, and the matrices again for the backward

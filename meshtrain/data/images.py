@@ -88,6 +88,11 @@ def caption_ids(text: str, length: int) -> np.ndarray:
   return ids
 
 
+def caption_text(value) -> str:
+  """A TFDS Text feature's value as read (bytes) as a string."""
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
 class Captions:
   """Captions -> the text condition a t2i batch holds (numpy, the keys of meshtrain/families/t2i.py `text_keys`):
   the own encoder's caption ids {"captions": int32[N, S]}, or the frozen encoder's {"text_features": float32[N, S,
@@ -109,11 +114,10 @@ class Captions:
 
   def blank(self, n: int) -> dict[str, np.ndarray]:
     """The same arrays for n rows, all zeros: padding rows, and the inputs a sampler is compiled and warmed with."""
-    m = self.model_cfg
-    if m.text_encoder == "own":
-      return {"captions": np.zeros((n, m.text_len), np.int32)}
-    return {"text_features": np.zeros((n, m.text_len, m.text_width), np.float32),
-            "text_keep": np.zeros((n, m.text_len), bool)}
+    from meshtrain.families import t2i  # pylint: disable=g-import-not-at-top  (JAX: the batch's shapes are its)
+    c = t2i.FluxConfig.from_config(self.model_cfg)
+    spec = t2i.batch_spec(c, n)
+    return {k: np.zeros(spec[k].shape, spec[k].dtype) for k in t2i.text_keys(c)}
 
 
 class SyntheticImageSource(ImageSource):
@@ -199,7 +203,7 @@ class TfdsImageSource(ImageSource):
     values = self._records[record]
     image, target = np.asarray(values[self.image_key]), values[self.label_key]
     if self.text_len:
-      text = target.decode("utf-8") if isinstance(target, bytes) else str(target)
+      text = caption_text(target)
       target = caption_ids(text, self.text_len) if self.text_cache is None else self.text_cache.row(text)
     else:
       target = int(target)
@@ -307,8 +311,7 @@ def make_captioned_source(cfg, split: str, shuffle: bool) -> ImageSource:
     info = ds.dataset_info
     dataset = {"name": info.full_name, "dir": str(info.data_dir), "split": split, "records": len(ds),
                "bytes": [int(s.num_bytes) for s in info.splits.values()]}
-    text = lambda record: record.decode("utf-8") if isinstance(record, bytes) else str(record)
-    cache = text_features.cached(cfg, dataset, lambda: [text(ds[i][keys[1]]) for i in range(len(ds))])
+    cache = text_features.cached(cfg, dataset, lambda: [caption_text(ds[i][keys[1]]) for i in range(len(ds))])
   return TfdsImageSource(ds, name=data.name, split=split, image_key=keys[0], label_key=keys[1],
                          image_shape=image_shape, num_classes=1, seed=cfg.seed, shuffle=shuffle,
                          text_len=model.text_len, text_cache=cache)

@@ -44,7 +44,6 @@ from meshtrain.data import files, tfds_access, tokenization
 from meshtrain.errors import UserError
 from meshtrain.models.llama import HiddenStates, ModelConfig, layers_as
 
-OWN = "own"      # model.text_encoder: the byte-level encoder trained with the model (meshtrain/models/flux.py)
 CACHE_DIR = "meshtrain_text_features"
 BATCH = 32       # captions per compiled call: one program whatever the number of captions
 FORMAT = 1       # bump with any change to what a cache holds

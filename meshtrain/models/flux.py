@@ -291,6 +291,14 @@ def stacked(block, c: FluxConfig, length: int, name: str):
                  metadata_params={nn.PARTITION_NAME: "layers"})(c, name=name)
 
 
+def pooled(x_BSG, keep_BS):
+  """The mean of the kept tokens' features, in float32, returned in x's dtype: [B, G]; 0 for a caption with none
+  (the empty one)."""
+  count_B = jnp.maximum(jnp.sum(keep_BS, axis=1, keepdims=True), 1).astype(jnp.float32)
+  sum_BG = jnp.sum(jnp.where(keep_BS[..., None], x_BSG.astype(jnp.float32), 0), axis=1)
+  return (sum_BG / count_B).astype(x_BSG.dtype)
+
+
 class TextEncoder(nn.Module):
   """Caption ids int32[B, S] (PAD = 0, bytes 1..256) -> (features [B, S, G], pooled [B, G], keep bool[B, S])."""
   cfg: FluxConfig
@@ -306,9 +314,7 @@ class TextEncoder(nn.Module):
     x_BSG, _ = stacked(EncoderBlock, c, c.text_layers, "layers")(x_BSG, (angle_SR, keep_BS))
     scale = param(self, "final_norm", (c.text_width,), ("norm",), None, c.param_dtype)
     x_BSG = rms_norm(x_BSG, scale)
-    count_B = jnp.maximum(jnp.sum(keep_BS, axis=1, keepdims=True), 1).astype(jnp.float32)
-    pooled_BG = (jnp.sum(jnp.where(keep_BS[..., None], x_BSG.astype(jnp.float32), 0), axis=1) / count_B)
-    return x_BSG, pooled_BG.astype(c.dtype), keep_BS
+    return x_BSG, pooled(x_BSG, keep_BS), keep_BS
 
 
 def embedder(module: nn.Module, name: str, x_BI, c: FluxConfig):
@@ -330,9 +336,7 @@ def frozen_features(module: nn.Module, text: dict, c: FluxConfig):
   keep_BS = text["text_keep"].astype(bool)
   scale = param(module, "text_norm", (c.text_width,), ("norm",), None, c.param_dtype)
   x_BSG = tokens(rms_norm(text["text_features"].astype(c.dtype), scale))
-  count_B = jnp.maximum(jnp.sum(keep_BS, axis=1, keepdims=True), 1).astype(jnp.float32)
-  pooled_BG = jnp.sum(jnp.where(keep_BS[..., None], x_BSG.astype(jnp.float32), 0), axis=1) / count_B
-  return x_BSG, pooled_BG.astype(c.dtype), keep_BS
+  return x_BSG, pooled(x_BSG, keep_BS), keep_BS
 
 
 class Flux(nn.Module):
