@@ -41,10 +41,15 @@ SHIFT_MU = (0.5, 1.15)
 
 def time_shift(c: FluxConfig, shift: float) -> float:
   """The shift s of model.shift, or (0) Flux's by-resolution exp(mu) for c's image tokens."""
-  if shift > 0:
-    return float(shift)
-  (x1, x2), (y1, y2) = SHIFT_TOKENS, SHIFT_MU
-  return math.exp(y1 + (c.tokens - x1) * (y2 - y1) / (x2 - x1))
+  return float(shift) if shift > 0 else resolution_shift(c.tokens)
+
+
+def resolution_shift(tokens: int, points=(SHIFT_TOKENS, SHIFT_MU)) -> float:
+  """exp(mu) for an image of `tokens` tokens, mu linear in the token count through two (tokens, mu) points: Flux's
+  rule, and FlowMatchEulerDiscreteScheduler's dynamic shift with its config's (base/max_image_seq_len,
+  base/max_shift) as `points`."""
+  (x1, x2), (y1, y2) = points
+  return math.exp(y1 + (tokens - x1) * (y2 - y1) / (x2 - x1))
 
 
 def shifted(t, s: float):
@@ -62,7 +67,9 @@ def noise_and_time(seed, image_HWC, s: float, caption_dropout: float):
 # The text condition, as the model takes it (meshtrain/models/flux.py): the own encoder's caption ids, or a frozen
 # encoder's features and the mask of their real tokens (meshtrain/data/text_features.py).
 def text_keys(c: FluxConfig) -> tuple[str, ...]:
-  return ("captions",) if c.text_encoder == "own" else ("text_features", "text_keep")
+  if c.text_encoder == "own":
+    return ("captions",)
+  return ("text_features", "text_keep") + (("text_pooled",) if c.pooled_width else ())
 
 
 def text_of(c: FluxConfig, batch: dict):
@@ -98,17 +105,30 @@ def guided_velocity(model: Flux, params, x_NHWC, t, text, guidance):
   return v_2NHWC[n:] + guidance * (v_2NHWC[:n] - v_2NHWC[n:])
 
 
-def sample(model: Flux, params, text, noise_NHWC, steps: int, guidance, s: float):
-  """Images [N, H, W, C] in [-1, 1] for the captions `text` (as the model takes it) from noise_NHWC (the t = 1
-  end): `steps` Euler steps between the shifted times t_i = shift(1 - i / steps), x <- x + (t_{i+1} - t_i) v(x, t_i).
+def denoise(model: Flux, params, text, noise_NHWC, steps: int, guidance, s: float):
+  """x at t = 0 [N, H, W, C] for the captions `text` (as the model takes it) from noise_NHWC (the t = 1 end):
+  `steps` Euler steps between the shifted times t_i = shift(1 - i / steps), x <- x + (t_{i+1} - t_i) v(x, t_i),
+  FlowMatchEulerDiscreteScheduler's steps. v is classifier-free guided, or for a guidance-distilled model
+  (Flux.1-dev) one pass with `guidance` given to its guidance embedding, as FluxPipeline's guidance_scale.
   Pure and jittable."""
   t_I = shifted(jnp.linspace(1.0, 0.0, steps + 1), s)
+  n = noise_NHWC.shape[0]
+
+  def velocity(x_NHWC, t):
+    if not model.cfg.guidance_embed:
+      return guided_velocity(model, params, x_NHWC, t, text, guidance)
+    g_N = jnp.broadcast_to(jnp.asarray(guidance, jnp.float32), (n,))
+    return model.apply({"params": params}, x_NHWC, jnp.full((n,), t, jnp.float32), text, g_N)
 
   def euler(i, x_NHWC):
-    return x_NHWC + (t_I[i + 1] - t_I[i]) * guided_velocity(model, params, x_NHWC, t_I[i], text, guidance)
+    return x_NHWC + (t_I[i + 1] - t_I[i]) * velocity(x_NHWC, t_I[i])
 
-  x_NHWC = jax.lax.fori_loop(0, steps, euler, noise_NHWC.astype(jnp.float32))
-  return jnp.clip(x_NHWC, -1.0, 1.0)
+  return jax.lax.fori_loop(0, steps, euler, noise_NHWC.astype(jnp.float32))
+
+
+def sample(model: Flux, params, text, noise_NHWC, steps: int, guidance, s: float):
+  """Images [N, H, W, C] in [-1, 1]: `denoise`'s, clipped."""
+  return jnp.clip(denoise(model, params, text, noise_NHWC, steps, guidance, s), -1.0, 1.0)
 
 
 def batch_spec(c: FluxConfig, batch_size: int) -> dict:
@@ -117,6 +137,8 @@ def batch_spec(c: FluxConfig, batch_size: int) -> dict:
   else:
     text = {"text_features": jax.ShapeDtypeStruct((batch_size, c.text_len, c.text_width), jnp.float32),
             "text_keep": jax.ShapeDtypeStruct((batch_size, c.text_len), jnp.bool_)}
+    if c.pooled_width:
+      text["text_pooled"] = jax.ShapeDtypeStruct((batch_size, c.pooled_width), jnp.float32)
   return {"images": jax.ShapeDtypeStruct((batch_size, c.image_size, c.image_size, c.channels), jnp.float32),
           **text, "seeds": jax.ShapeDtypeStruct((batch_size,), jnp.uint32)}
 
@@ -292,7 +314,8 @@ class LayerStack(costs.BlockStack):
       extra = (jax.ShapeDtypeStruct((batch, S), jnp.bool_),)  # the key mask
       context = lambda keep: (angle, keep)
     else:
-      positions = jnp.concatenate([jnp.zeros((S, 3), jnp.int32), flux.image_positions(c.image_size // c.patch_size)])
+      side = c.image_size // c.patch_size
+      positions = jnp.concatenate([jnp.zeros((S, 3), jnp.int32), flux.image_positions(side, side)])
       angle = flux.rope_angles(positions, c.axes_dim)
       lengths = (T, S) if self.kind == "double" else (S + T,)
       streams = tuple(jax.ShapeDtypeStruct((batch, n, c.d_model), dtype) for n in lengths)

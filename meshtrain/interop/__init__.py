@@ -4,4 +4,7 @@
   hf.py            Hugging Face checkpoints: tensor names and layouts, from_hf and to_hf
   weights.py       safetensors read and written one tensor at a time, a parameter tree saved without a second copy
   hf_tokenizer.py  tokenizer files: which travel, a run's tokenizer as the files AutoTokenizer reads
+  diffusers_flux.py   diffusers' FluxTransformer2DModel <-> meshtrain's Flux (models/flux.py)
+  diffusers_vae.py    diffusers' AutoencoderKL <-> meshtrain's VAE (models/vae.py)
+  text_encoders.py    transformers' CLIPTextModel and T5EncoderModel <-> models/clip_text.py and models/t5.py
 """

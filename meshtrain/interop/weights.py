@@ -29,9 +29,15 @@ SHARD_BYTES = 1 << 30
 
 
 def weight_files(hf_dir: pathlib.Path) -> dict:
-  """HF tensor name -> safetensors file holding it (from model.safetensors.index.json, or every *.safetensors)."""
-  index = hf_dir / "model.safetensors.index.json"
-  if index.is_file():
+  """HF tensor name -> safetensors file holding it (from the shard index save_pretrained writes,
+  model.safetensors.index.json or diffusers' diffusion_pytorch_model.safetensors.index.json, else every
+  *.safetensors)."""
+  indexes = sorted(hf_dir.glob("*.safetensors.index.json"))
+  if len(indexes) > 1:
+    raise UserError(f"{str(hf_dir)!r} holds {len(indexes)} shard indexes ({', '.join(i.name for i in indexes)}); "
+                    "keep the one save_pretrained wrote")
+  if indexes:
+    index = indexes[0]
     try:
       weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -63,10 +69,11 @@ def open_safetensors(path: pathlib.Path):
                     "re-download or re-save it") from None
 
 
-def write_safetensors(directory: pathlib.Path, tensors) -> None:
+def write_safetensors(directory: pathlib.Path, tensors, stem: str = "model") -> None:
   """Writes (name, array) pairs, taken one at a time from the iterator `tensors`, as shards of at most SHARD_BYTES
   (one file, model.safetensors, when they all fit), with model.safetensors.index.json when there are several: the
-  layout save_pretrained writes. Only one shard's tensors are held at a time."""
+  layout save_pretrained writes (diffusers' models name theirs `stem` diffusion_pytorch_model). Only one shard's
+  tensors are held at a time."""
   shards, current, size, total = [], {}, 0, 0
   weight_map = {}
 
@@ -88,13 +95,13 @@ def write_safetensors(directory: pathlib.Path, tensors) -> None:
     total += w.nbytes
   flush()
   if len(shards) == 1:
-    (directory / shards[0][0]).rename(directory / "model.safetensors")
+    (directory / shards[0][0]).rename(directory / f"{stem}.safetensors")
     return
   for i, (tmp_name, names) in enumerate(shards):
-    final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    final = f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
     (directory / tmp_name).rename(directory / final)
     weight_map.update({n: final for n in names})
-  (directory / "model.safetensors.index.json").write_text(json.dumps(
+  (directory / f"{stem}.safetensors.index.json").write_text(json.dumps(
       {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 

@@ -1,4 +1,5 @@
-"""SwiGLU with a hand-written backward, shared by the dense MLP and the experts (elementwise, any shape)."""
+"""Activations: SwiGLU with a hand-written backward, shared by the dense MLP and the experts (elementwise, any
+shape), and transformers' `hidden_act` names as the imported text encoders (clip_text.py, t5.py) read them."""
 import jax
 
 
@@ -22,3 +23,14 @@ def _swiglu_backward(residuals, dh):
 
 
 swiglu.defvjp(_swiglu_forward, _swiglu_backward)
+
+
+# transformers' ACT2FN entries that the imported encoders' configs name.
+HIDDEN_ACT = {
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),           # QuickGELUActivation (OpenAI's CLIP)
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),             # GELUActivation: torch's erf form
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),          # NewGELUActivation: the tanh form
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}

@@ -60,6 +60,13 @@ class FluxConfig:
   text_heads: int
   text_mlp_dim: int
   text_encoder: str = "own"       # own: TextEncoder below, trained with the model | a frozen language model's features
+  # How a frozen encoder's features enter (meshtrain's own models keep the defaults; a converted Flux.1 sets all
+  # four): RMS-normalised with a learned scale, padded tokens masked as keys, the pooled vector their mean (0) or
+  # one of pooled_width given with them (Flux: CLIP's), and a distilled guidance embedding (Flux.1-dev).
+  text_norm: bool = True
+  text_mask: bool = True
+  pooled_width: int = 0
+  guidance_embed: bool = False
   caption_dropout: float = 0.1  # read by the task's loss (caption -> empty), not by the network
   init_std: float = 0.02
   dtype: str = "float32"
@@ -95,9 +102,9 @@ def rms_norm(x, scale):
   return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
 
 
-def image_positions(side: int):
-  """int32[side * side, 3]: (0, row, column) of each patch in row-major order, Flux's img_ids."""
-  row_T, col_T = (a.reshape(-1) for a in jnp.meshgrid(jnp.arange(side), jnp.arange(side), indexing="ij"))
+def image_positions(rows: int, columns: int):
+  """int32[rows * columns, 3]: (0, row, column) of each patch in row-major order, Flux's img_ids."""
+  row_T, col_T = (a.reshape(-1) for a in jnp.meshgrid(jnp.arange(rows), jnp.arange(columns), indexing="ij"))
   return jnp.stack([jnp.zeros_like(row_T), row_T, col_T], axis=-1).astype(jnp.int32)
 
 
@@ -329,26 +336,38 @@ def embedder(module: nn.Module, name: str, x_BI, c: FluxConfig):
 
 
 def frozen_features(module: nn.Module, text: dict, c: FluxConfig):
-  """A frozen encoder's features (meshtrain/data/text_features.py) as the model reads them: RMS-normalised with a
-  learned scale (a language model's hidden states before its final norm reach magnitudes in the hundreds, which
-  Lumina-Image 2.0 and Z-Image tame the same way), and their mean over the caption's tokens as the pooled vector:
-  (features [B, S, G], pooled [B, G], keep bool[B, S])."""
-  keep_BS = text["text_keep"].astype(bool)
-  scale = param(module, "text_norm", (c.text_width,), ("norm",), None, c.param_dtype)
-  x_BSG = tokens(rms_norm(text["text_features"].astype(c.dtype), scale))
-  return x_BSG, pooled(x_BSG, keep_BS), keep_BS
+  """A frozen encoder's features (meshtrain/data/text_features.py) as the model reads them: (features [B, S, G],
+  pooled [B, G or pooled_width], keep bool[B, S]).
+
+  With text_norm, RMS-normalised with a learned scale: a language model's hidden states before its final norm reach
+  magnitudes in the hundreds, which Lumina-Image 2.0 and Z-Image tame the same way; Flux.1's T5 features enter as
+  they are. Without text_mask every token is a key, padding too: Flux.1 attends over the T5 prompt padded to
+  max_sequence_length without a mask, so that length changes its pictures. The pooled vector is the mean of the
+  kept tokens' features, or text["text_pooled"] where pooled_width is set (Flux.1: CLIP's pooled output)."""
+  x_BSG = text["text_features"].astype(c.dtype)
+  if c.text_norm:
+    x_BSG = rms_norm(x_BSG, param(module, "text_norm", (c.text_width,), ("norm",), None, c.param_dtype))
+  x_BSG = tokens(x_BSG)
+  keep_BS = text["text_keep"].astype(bool) if c.text_mask else jnp.ones(x_BSG.shape[:2], bool)
+  pooled_BG = text["text_pooled"].astype(c.dtype) if c.pooled_width else pooled(x_BSG, keep_BS)
+  return x_BSG, pooled_BG, keep_BS
 
 
 class Flux(nn.Module):
-  """(x_t [B, H, W, C], t [B] in [0, 1], text) -> velocity [B, H, W, C] float32. `text`: caption ids int32[B, S]
-  with the own encoder (text_encoder "own"), else a frozen encoder's {"text_features": [B, S, G], "text_keep":
-  bool[B, S]}."""
+  """(x_t [B, H, W, C], t [B] in [0, 1], text, guidance [B]) -> velocity [B, H, W, C] float32. `text`: caption ids
+  int32[B, S] with the own encoder (text_encoder "own"), else a frozen encoder's {"text_features": [B, S, G],
+  "text_keep": bool[B, S]} (plus "text_pooled" [B, pooled_width] where pooled_width is set). `guidance`: the scale
+  a guidance-distilled model (guidance_embed) is asked for, None otherwise. H and W are any multiples of the patch
+  side: the positions follow the input, as Flux samples at sizes it was not trained at."""
   cfg: FluxConfig
 
   @nn.compact
-  def __call__(self, x_BHWC, t_B, text):
+  def __call__(self, x_BHWC, t_B, text, guidance_B=None):
     c = self.cfg
     D, X = c.d_model, c.patch_dim
+    _, H, W, _ = x_BHWC.shape
+    if c.guidance_embed != (guidance_B is not None):
+      raise ValueError(f"guidance_embed={c.guidance_embed} but guidance {'not ' if guidance_B is None else ''}given")
     if c.text_encoder == "own":
       txt_BSG, pooled_BG, keep_BS = TextEncoder(c, name="text")(text)
     else:
@@ -360,13 +379,16 @@ class Flux(nn.Module):
     w_txt = param(self, "txt_in", (c.text_width, D), (None, "embed"), c.init_std, c.param_dtype)
     b_txt = zeros(self, "txt_in_bias", (D,), ("embed",), c.param_dtype)
     txt_BSD = tokens(dense(txt_BSG, w_txt.astype(c.dtype), "G,GD->D") + b_txt.astype(c.dtype))
-    vec_BD = embedder(self, "time", timestep_features(t_B), c) + embedder(self, "vector", pooled_BG, c)
+    vec_BD = embedder(self, "time", timestep_features(t_B), c)
+    if c.guidance_embed:  # Flux.1-dev: the scale as a second timestep, t's features of g (t x 1000 <- g x 1000)
+      vec_BD = vec_BD + embedder(self, "guidance", timestep_features(guidance_B), c)
+    vec_BD = vec_BD + embedder(self, "vector", pooled_BG, c)
     vec_BD = nn.with_logical_constraint(vec_BD, ("act_batch", "act_embed"))
 
     S = keep_BS.shape[1]
-    pos_JN = jnp.concatenate([jnp.zeros((S, 3), jnp.int32), image_positions(c.image_size // c.patch_size)])
+    pos_JN = jnp.concatenate([jnp.zeros((S, 3), jnp.int32), image_positions(H // c.patch_size, W // c.patch_size)])
     angle_JR = rope_angles(pos_JN, c.axes_dim)
-    keep_BJ = jnp.concatenate([keep_BS, jnp.ones((keep_BS.shape[0], c.tokens), bool)], axis=1)
+    keep_BJ = jnp.concatenate([keep_BS, jnp.ones(img_BTD.shape[:2], bool)], axis=1)
     context = (vec_BD, angle_JR, keep_BJ)
     (img_BTD, txt_BSD), _ = stacked(DoubleBlock, c, c.double_layers, "double")((img_BTD, txt_BSD), context)
     x_BJD, _ = stacked(SingleBlock, c, c.single_layers, "single")(
@@ -377,7 +399,7 @@ class Flux(nn.Module):
     w_out = zeros(self, "out", (D, X), ("embed", None), c.param_dtype)
     b_out = zeros(self, "out_bias", (X,), (None,), c.param_dtype)
     out_BTX = dense(x_BTD, w_out.astype(c.dtype), "D,DX->X") + b_out.astype(c.dtype)
-    out_BHWC = unpatchify(out_BTX.astype(jnp.float32), c.patch_size, c.image_size, c.image_size, c.channels)
+    out_BHWC = unpatchify(out_BTX.astype(jnp.float32), c.patch_size, H, W, c.channels)
     return nn.with_logical_constraint(out_BHWC, ("act_batch", None, None, None))
 
 
