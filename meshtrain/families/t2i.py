@@ -108,16 +108,16 @@ def guided_velocity(model: Flux, params, x_NHWC, t, text, guidance):
 def denoise(model: Flux, params, text, noise_NHWC, steps: int, guidance, s: float):
   """x at t = 0 [N, H, W, C] for the captions `text` (as the model takes it) from noise_NHWC (the t = 1 end):
   `steps` Euler steps between the shifted times t_i = shift(1 - i / steps), x <- x + (t_{i+1} - t_i) v(x, t_i),
-  FlowMatchEulerDiscreteScheduler's steps. v is classifier-free guided, or for a guidance-distilled model
-  (Flux.1-dev) one pass with `guidance` given to its guidance embedding, as FluxPipeline's guidance_scale.
-  Pure and jittable."""
+  FlowMatchEulerDiscreteScheduler's steps. v is classifier-free guided by `guidance`; for a guidance-distilled
+  model (Flux.1-dev) one pass with `guidance` given to its guidance embedding, as FluxPipeline's guidance_scale;
+  None: one unguided pass (Flux.1-schnell). Pure and jittable."""
   t_I = shifted(jnp.linspace(1.0, 0.0, steps + 1), s)
   n = noise_NHWC.shape[0]
 
   def velocity(x_NHWC, t):
-    if not model.cfg.guidance_embed:
+    if guidance is not None and not model.cfg.guidance_embed:
       return guided_velocity(model, params, x_NHWC, t, text, guidance)
-    g_N = jnp.broadcast_to(jnp.asarray(guidance, jnp.float32), (n,))
+    g_N = None if guidance is None else jnp.broadcast_to(jnp.asarray(guidance, jnp.float32), (n,))
     return model.apply({"params": params}, x_NHWC, jnp.full((n,), t, jnp.float32), text, g_N)
 
   def euler(i, x_NHWC):

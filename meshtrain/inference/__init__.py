@@ -7,4 +7,5 @@
   stream.py       completions printed as they arrive, on process 0 only (the generate command's output)
   dit_sampler.py  a DiT's compiled sampler, its labelled grid and raw samples, the training-time SampleHook
   quality.py      the digits judge: sample accuracy and Frechet distance of class-conditional samples
+  flux_pipeline.py  a diffusers Flux.1 pipeline directory run by meshtrain's components: prompts -> pictures
 """

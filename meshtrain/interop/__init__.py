@@ -7,4 +7,5 @@
   diffusers_flux.py   diffusers' FluxTransformer2DModel <-> meshtrain's Flux (models/flux.py)
   diffusers_vae.py    diffusers' AutoencoderKL <-> meshtrain's VAE (models/vae.py)
   text_encoders.py    transformers' CLIPTextModel and T5EncoderModel <-> models/clip_text.py and models/t5.py
+  flux_tokenizers.py  a Flux pipeline's CLIP and T5 tokenizers without transformers: prompts -> FluxPipeline's ids
 """
