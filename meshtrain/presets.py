@@ -147,6 +147,13 @@ def t2i_model_config(name: str) -> ml_collections.ConfigDict:
                                   # d_model
   m.text_encoder_layer = -2       # the frozen encoder's hidden_states[k] (Hugging Face's numbering: 0 embeddings, -1
                                   # the last through the final norm, -2 the last block's input, as Z-Image takes it)
+  m.pipeline = ""                 # a Flux.1 pipeline directory (python -m meshtrain.convert from-diffusers copies one
+                                  # into WORKDIR/pipeline) whose VAE, text encoders, tokenizers and scheduler the model
+                                  # uses: image_size and channels are then its latents', text_encoder "pipeline"
+  m.text_norm = True              # how frozen features enter (a converted Flux.1 sets the next four; see flux.py):
+  m.text_mask = True              # RMS-normalised, padding masked as keys, the pooled vector their mean (0) or one of
+  m.pooled_width = 0              # this width given with them (CLIP's), a distilled guidance embedding (Flux.1-dev)
+  m.guidance_embed = False
   m.caption_dropout = 0.1         # training captions replaced by the empty one with this probability (for guidance)
   m.shift = 0.0                   # time shift of training and sampling; 0: by resolution, Flux's rule (see t2i.py)
   m.init_std = 0.02

@@ -38,6 +38,12 @@ CANNOT_RUN = {
     ("huggingface.md", "python -m meshtrain.generate --workdir runs/hf"): "needs the from-hf run above",
     ("huggingface.md", "python -m meshtrain.train --config configs/finetune_hf.py"): "needs the from-hf run above",
     ("huggingface.md", "python -m meshtrain.convert to-hf --workdir runs/sft"): "needs the fine-tuned run above",
+    ("huggingface.md", "python -m meshtrain.convert from-diffusers FLUX.1-dev"): "FLUX.1-dev is a downloaded "
+    "pipeline (no network here); tests/test_flux_convert.py converts, samples and exports a pipeline diffusers saves "
+    "locally",
+    ("huggingface.md", "python -m meshtrain.sample --workdir runs/flux"): "needs the from-diffusers run above",
+    ("huggingface.md", "python -m meshtrain.convert to-diffusers --workdir runs/flux"): "needs the from-diffusers "
+    "run above",
     ("evaluation.md", "python -m meshtrain.eval --workdir runs/llama"): "runs/llama is a converted Llama",
     ("own-data.md", "python -m meshtrain.data show --config configs/tiny.py --rows 3 --config.data.name=chats.jsonl"):
     "its '...' stands for the chat run's data flags above (data.format=chat needs a converted model's tokenizer)",

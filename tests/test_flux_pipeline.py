@@ -13,6 +13,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config,
 
 from meshtrain.errors import UserError
 from meshtrain.inference import flux_pipeline
+from meshtrain.interop import diffusers_pipeline
 
 PROMPTS = ["a photo of the red cat", "A DOG sitting on the café chair, 日本!"]
 HEIGHT, WIDTH = 32, 48  # pixels: 4 x 6 latents, 2 x 3 packed tokens
@@ -88,7 +89,7 @@ def test_bad_pipelines_and_requests_are_one_clear_error(pipelines, tmp_path):
   for name, spec in cases.items():
     bad = tmp_path / name.replace(" ", "_")
     bad.mkdir()
-    for part in flux_pipeline.COMPONENTS:
+    for part in diffusers_pipeline.COMPONENTS:
       (bad / part).symlink_to(path / part)
     (bad / "model_index.json").write_text(json.dumps(spec))
     with pytest.raises(UserError, match="StableDiffusion3Pipeline|DPMSolverMultistepScheduler"):

@@ -6,6 +6,7 @@ labelled PNG grid (and the raw samples), scored on digits.
   python -m meshtrain.sample --workdir W --out grid.png [--step N] [--classes 0,1,...] [--per-class K]
       [--steps S] [--guidance G] [--seed S] [--npy samples.npz]
   either with [--config.mesh.*=... --config.sharding.rules=... --config.cpu_devices=N]
+  a Flux.1 workdir (convert from-diffusers) also takes [--size WxH] [--max-sequence-length L] [--latents FILE.npy]
 
 Text-to-image: --prompt (repeatable) or --prompts FILE (a prompt per line) are the grid's rows, --n the pictures per
 prompt; picture k starts from the noise of (seed, k), the same alone or beside others.
@@ -62,7 +63,9 @@ def parse_args(argv: list[str]):
                       help="classifier-free guidance scale >= 0; 0 unconditional, 1 conditional (default: the run's)")
   parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's sample.seed)")
   parser.add_argument("--out", required=True, help="the grid, a .png file")
-  parser.add_argument("--npy", default=None, help="also write the samples: FILE.npz (images, labels) or FILE.npy")
+  parser.add_argument("--npy", "--out-npy", default=None,
+                      help="also write the samples: FILE.npz (images, labels) or FILE.npy")
+  dit_request.add_flux_arguments(parser)
   args, overrides = parser.parse_known_args(argv)
   for flag, value in (("--per-class", args.per_class), ("--n", args.n)):
     if value is not None and value < 1:
@@ -75,14 +78,7 @@ def parse_args(argv: list[str]):
                     "only, above 1: stronger guidance)")
   if args.seed is not None and not 0 <= args.seed < 2**32:
     raise UserError(f"--seed {args.seed} must be in 0 .. {2**32 - 1}")
-  if pathlib.Path(args.out).suffix.lower() != ".png":
-    raise UserError(f"--out {args.out}: the grid is written as a PNG; name it FILE.png")
-  if args.npy is not None and pathlib.Path(args.npy).suffix not in (".npz", ".npy"):
-    raise UserError(f"--npy {args.npy}: name it FILE.npz (images and labels in one file) or FILE.npy (images; "
-                    "labels in FILE.labels.npy)")
-  for flag, value in (("--out", args.out), ("--npy", args.npy)):
-    if value is not None and pathlib.Path(value).is_dir():
-      raise UserError(f"{flag} {value} is a directory; give a file name")
+  dit_request.check_outputs(args.out, args.npy)
 
   workdir = pathlib.Path(args.workdir).expanduser()
   from meshtrain import checkpoint  # Orbax (and JAX) only once the arguments are checked
@@ -93,6 +89,7 @@ def parse_args(argv: list[str]):
     raise UserError(f"{args.workdir} was trained with task={task}; sample needs an image model (task=t2i or dit); "
                     "use python -m meshtrain.generate for a language model")
   cfg = dit_request.run_config(saved, overrides)
+  dit_request.flux_request(args, cfg.model)
   for name in ("steps", "guidance", "seed"):  # the run's own sample settings unless given
     setattr(args, name, getattr(args, name) if getattr(args, name) is not None else cfg.sample[name])
   if task == "t2i":
@@ -123,7 +120,7 @@ def main(argv: list[str]) -> int:
   startup.start(cfg)
   if cfg.task == "t2i":
     pictures, step = t2i_sampler.sample_workdir(cfg, workdir, step, args.step is not None, args.prompt, args.n,
-                                                args.steps, args.guidance, args.seed)
+                                                args.steps, args.guidance, args.seed, args)
     if startup.is_main():
       written = t2i_sampler.write(args.out, args.npy, pictures, args.prompt)
       print(t2i_sampler.summary(step, pictures, args.prompt, written, args.steps, args.guidance, args.seed,

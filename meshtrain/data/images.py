@@ -289,6 +289,10 @@ def make_captioned_source(cfg, split: str, shuffle: bool) -> ImageSource:
   pictures (converted once: meshtrain/data/captioned.py), a TFDS dataset with an image and a Text feature
   (data.image_key, data.caption_key), or synthetic."""
   data, model = cfg.data, cfg.model
+  if model.pipeline:
+    raise UserError(f"model.pipeline={model.pipeline!r}: training on a Flux.1 pipeline's latents (its VAE and text "
+                    "encoders' cached outputs) is not built yet; sample the model with python -m meshtrain.sample, or "
+                    "export it with python -m meshtrain.convert to-diffusers")
   expected = (model.image_size, model.image_size, model.channels)
   frozen = model.text_encoder != "own"
   if frozen:

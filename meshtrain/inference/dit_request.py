@@ -33,6 +33,18 @@ def check_request(cfg, images: int, steps: int) -> None:
                     f"step, more than this host's {memory / 1e9:,.1f} GB; pass fewer classes or a smaller --per-class")
 
 
+def check_outputs(out: str, npy: str | None) -> None:
+  """The grid's path (a PNG) and the samples' (FILE.npz or FILE.npy), neither a directory."""
+  if pathlib.Path(out).suffix.lower() != ".png":
+    raise UserError(f"--out {out}: the grid is written as a PNG; name it FILE.png")
+  if npy is not None and pathlib.Path(npy).suffix not in (".npz", ".npy"):
+    raise UserError(f"--npy {npy}: name it FILE.npz (images and labels in one file) or FILE.npy (images; "
+                    "labels in FILE.labels.npy)")
+  for flag, value in (("--out", out), ("--npy", npy)):
+    if value is not None and pathlib.Path(value).is_dir():
+      raise UserError(f"{flag} {value} is a directory; give a file name")
+
+
 def prompts(given: list[str], path: str | None) -> list[str]:
   """The prompts of a text-to-image request: those given, then the lines of the file at `path` (blank lines
   skipped); UserError for an empty prompt or an unreadable file."""
@@ -66,3 +78,40 @@ def run_config(saved: dict, overrides: list[str]):
                       "mesh.*, sharding.*, cpu_devices, xla_flags and compilation_cache_dir")
   cfg.optimizer.grad_accum_steps = 1
   return cfg
+
+
+def add_flux_arguments(parser) -> None:
+  """A Flux.1 workdir's sampling flags, as diffusers' FluxPipeline takes them (meshtrain/inference/flux_pipeline.py):
+  --size in pixels (default: model.image_size latents, x 8), --max-sequence-length T5's prompt length (default:
+  model.text_len; Flux.1 attends over the padded prompt, so it changes the picture), --latents the packed starting
+  latents FluxPipeline takes as latents=. --guidance is then dev's guidance embedding (schnell has none), and
+  --npy (or --out-npy) FILE.npy holds the pictures as output_type="np" gives them."""
+  parser.add_argument("--size", default=None, help="WxH pixels (a Flux.1 workdir; default: the model's)")
+  parser.add_argument("--max-sequence-length", type=int, default=None,
+                      help="T5's prompt length (a Flux.1 workdir; default: model.text_len)")
+  parser.add_argument("--latents", default=None, help="packed starting latents, .npy (a Flux.1 workdir)")
+
+
+def flux_request(args, model) -> None:
+  """--size, --max-sequence-length and --latents: checked and defaulted for a Flux.1 workdir (`model`, the run's
+  model group, with model.pipeline), refused for any other run."""
+  given = [flag for flag, value in (("--size", args.size), ("--max-sequence-length", args.max_sequence_length),
+                                    ("--latents", args.latents)) if value is not None]
+  if not model.get("pipeline"):
+    if given:
+      raise UserError(f"{', '.join(given)}: only a Flux.1 pipeline's workdir (python -m meshtrain.convert "
+                      f"from-diffusers) takes {'them' if len(given) > 1 else 'it'}; {args.workdir} samples at its "
+                      "trained size")
+    return
+  side = model.image_size * 8  # its VAE's 8x (the pipeline checks the size against its VAE when it loads)
+  try:
+    args.size = tuple(int(v) for v in (args.size or f"{side}x{side}").lower().split("x"))
+  except ValueError:
+    args.size = ()
+  if len(args.size) != 2 or min(args.size) <= 0:
+    raise UserError(f"--size {args.size!r}: give WIDTHxHEIGHT in pixels, e.g. --size 1024x768")
+  args.max_sequence_length = args.max_sequence_length or model.text_len
+  if not 0 < args.max_sequence_length <= 512:
+    raise UserError(f"--max-sequence-length {args.max_sequence_length} must be in 1 .. 512 (T5's, as FluxPipeline)")
+  if args.latents is not None and not pathlib.Path(args.latents).is_file():
+    raise UserError(f"--latents {args.latents} is not a file; give a .npy array of packed latents")

@@ -20,34 +20,21 @@ channels, S prompt tokens (77 for CLIP, max_sequence_length for T5), G T5's widt
 """
 import dataclasses
 import functools
-import json
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshtrain import checkpoint
 from meshtrain.errors import UserError
 from meshtrain.families import t2i
-from meshtrain.interop import diffusers_flux, diffusers_vae, flux_tokenizers, text_encoders
+from meshtrain.interop import (diffusers_flux, diffusers_pipeline, diffusers_vae, flux_tokenizers,
+                               text_encoders)
 from meshtrain.models import vae
 from meshtrain.models.clip_text import ClipText
-from meshtrain.models.flux import Flux
+from meshtrain.models.flux import Flux, FluxConfig
 from meshtrain.models.t5 import T5Encoder
-
-CLASS_NAME = "FluxPipeline"
-# model_index.json's component -> the (library, class) meshtrain reads it as.
-COMPONENTS = {"transformer": ("diffusers", "FluxTransformer2DModel"), "vae": ("diffusers", "AutoencoderKL"),
-              "text_encoder": ("transformers", "CLIPTextModel"), "text_encoder_2": ("transformers", "T5EncoderModel"),
-              "tokenizer": ("transformers", "CLIPTokenizer"), "tokenizer_2": ("transformers", "T5TokenizerFast"),
-              "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler")}
-TOKENIZER_CLASSES = {"tokenizer": {"CLIPTokenizer", "CLIPTokenizerFast"},
-                     "tokenizer_2": {"T5TokenizerFast", "T5Tokenizer"}}
-# FlowMatchEulerDiscreteScheduler settings this sampler reproduces: the defaults of everything else.
-SCHEDULER_DEFAULTS = {"invert_sigmas": False, "shift_terminal": None, "use_karras_sigmas": False,
-                      "use_exponential_sigmas": False, "use_beta_sigmas": False, "time_shift_type": "exponential",
-                      "stochastic_sampling": False}
-
 
 def pack(z_NhwL):
   """FluxPipeline._pack_latents: [N, h, w, L] -> [N, h/2 * w/2, 4 L], each patch (channel, row, column)."""
@@ -63,44 +50,6 @@ def unpack(z_NTX, h: int, w: int):
   return z_NTX.reshape(N, h // 2, w // 2, L, 2, 2).transpose(0, 1, 4, 2, 5, 3).reshape(N, h, w, L)
 
 
-def read_components(root: pathlib.Path) -> dict:
-  """model_index.json of the pipeline `root`: checked to be a FluxPipeline whose components meshtrain reads."""
-  index = root / "model_index.json"
-  if not index.is_file():
-    raise UserError(f"{str(root)!r} has no model_index.json; pass a diffusers Flux pipeline directory (as "
-                    "FluxPipeline.save_pretrained writes it)")
-  try:
-    spec = json.loads(index.read_text())
-  except json.JSONDecodeError as e:
-    raise UserError(f"{str(index)!r} is not JSON ({e}); re-save the pipeline") from None
-  if spec.get("_class_name") != CLASS_NAME:
-    raise UserError(f"{str(index)!r} describes a {spec.get('_class_name')!r}, not a {CLASS_NAME}; meshtrain runs "
-                    "Flux.1 pipelines (dev, schnell)")
-  for name, (library, cls) in COMPONENTS.items():
-    given = spec.get(name)
-    allowed = TOKENIZER_CLASSES.get(name, {cls})
-    if not isinstance(given, list) or len(given) != 2 or given[1] not in allowed:
-      raise UserError(f"{str(index)!r}: component {name!r} is {given!r}; a Flux.1 pipeline has [{library!r}, "
-                      f"{sorted(allowed)[0]!r}] there")
-    if not (root / name).is_dir():
-      raise UserError(f"{str(root)!r} lacks its {name}/ directory, which model_index.json names; copy the whole "
-                      "pipeline")
-  return spec
-
-
-def read_scheduler(path: pathlib.Path) -> dict:
-  file = path / "scheduler_config.json"
-  try:
-    config = json.loads(file.read_text())
-  except (OSError, json.JSONDecodeError) as e:
-    raise UserError(f"cannot read {str(file)!r} ({type(e).__name__}: {e}); copy the pipeline's scheduler/") from None
-  odd = {k: config[k] for k, v in SCHEDULER_DEFAULTS.items() if config.get(k, v) != v}
-  if odd:
-    raise UserError(f"{str(file)!r} sets {odd}, which meshtrain's Euler sampler does not reproduce; only the "
-                    "(dynamic) shift of Flux.1's scheduler is")
-  return config
-
-
 @dataclasses.dataclass
 class Pipeline:
   """A loaded Flux.1 pipeline: each component's config and parameters (on the default device), its tokenizers and
@@ -113,21 +62,34 @@ class Pipeline:
   scheduler: dict
 
   @classmethod
-  def load(cls, directory) -> "Pipeline":
+  def load(cls, directory, transformer: tuple | None = None) -> "Pipeline":
+    """The pipeline in `directory`, with its own transformer/ or `transformer` = (FluxConfig, parameters): a
+    meshtrain workdir's (`from_workdir`)."""
     root = pathlib.Path(directory).expanduser()
-    read_components(root)
-    scheduler = read_scheduler(root / "scheduler")
+    diffusers_pipeline.read_components(root, transformer=transformer is None)
+    scheduler = diffusers_pipeline.read_scheduler(root / "scheduler")
     tokenizers = (flux_tokenizers.clip_tokenizer(root / "tokenizer"),
                   flux_tokenizers.t5_tokenizer(root / "tokenizer_2"))
     # The transformer's image size and prompt length are not its own (it takes any): set per call.
-    flux_cfg, flux_params = diffusers_flux.read_transformer(root / "transformer", image_size=2, text_len=1,
-                                                            text_encoder="diffusers")
+    transformer = transformer or diffusers_flux.read_transformer(root / "transformer", image_size=2, text_len=1,
+                                                                 text_encoder="pipeline")
     put = jax.device_put
     vae_cfg, vae_params = diffusers_vae.read(root / "vae")
     clip_cfg, clip_params = text_encoders.read_clip_text(root / "text_encoder")
     t5_cfg, t5_params = text_encoders.read_t5_encoder(root / "text_encoder_2")
-    return cls((flux_cfg, put(flux_params)), (vae_cfg, put(vae_params)), (clip_cfg, put(clip_params)),
+    return cls((transformer[0], put(transformer[1])), (vae_cfg, put(vae_params)), (clip_cfg, put(clip_params)),
                (t5_cfg, put(t5_params)), tokenizers, scheduler)
+
+  @classmethod
+  def from_workdir(cls, workdir, step: int | None = None) -> tuple["Pipeline", int]:
+    """(the pipeline of a converted or fine-tuned Flux.1 workdir at `step` (default: the newest), the step read):
+    its transformer from the checkpoint, the rest from model.pipeline."""
+    params, meta, step = checkpoint.read_params(workdir, step, step is not None)
+    model = meta["config"]["model"]
+    if checkpoint.task_of(meta) != "t2i" or not model.get("pipeline"):
+      raise UserError(f"{workdir} is not a Flux.1 pipeline's workdir (task=t2i with model.pipeline, as "
+                      "python -m meshtrain.convert from-diffusers writes it)")
+    return cls.load(model["pipeline"], (FluxConfig.from_config(model), params)), step
 
   def prompt_features(self, prompts: list[str], max_sequence_length: int) -> dict:
     """The transformer's text condition for `prompts`: T5's features [N, S, G], CLIP's pooled vector [N, P]."""
@@ -146,10 +108,11 @@ class Pipeline:
     return float(s.get("shift", 1.0))
 
   def __call__(self, prompts: list[str], height: int, width: int, steps: int, guidance: float,
-               max_sequence_length: int = 512, latents=None, seed: int = 0) -> np.ndarray:
+               max_sequence_length: int = 512, latents=None, seed: int = 0, index=None) -> np.ndarray:
     """Pictures float32 [N, H, W, 3] in [0, 1] for `prompts`, from `latents` (packed, as FluxPipeline's
-    `latents=`) or from normal noise drawn from `seed`. `guidance` is the distilled model's guidance embedding
-    (dev); schnell has none and guides nothing, as FluxPipeline."""
+    `latents=`) or from normal noise: picture i's of (seed, index[i]) (default index i), the same whatever else is
+    drawn beside it. `guidance` is the distilled model's guidance embedding (dev); schnell has none and guides
+    nothing, as FluxPipeline."""
     flux_cfg, flux_params = self.transformer
     vae_cfg, vae_params = self.vae
     unit = 2 * vae_cfg.downsample  # FluxPipeline's: the VAE's downsampling times the 2x2 packing (16 for Flux.1)
@@ -160,7 +123,9 @@ class Pipeline:
     n = len(prompts)
     expected = (n, (h // 2) * (w // 2), flux_cfg.channels * 4)
     if latents is None:
-      latents = pack(jax.random.normal(jax.random.key(seed), (n, h, w, flux_cfg.channels), jnp.float32))
+      index = np.arange(n) if index is None else np.asarray(index)
+      latents = pack(jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(jax.random.key(seed), i),
+                                                          (h, w, flux_cfg.channels), jnp.float32))(index))
     elif tuple(np.shape(latents)) != expected:
       raise UserError(f"--latents has shape {list(np.shape(latents))}; {n} prompt(s) at {width}x{height} take "
                       f"{list(expected)} (packed, as FluxPipeline's latents=)")
@@ -185,3 +150,22 @@ def _t5(cfg, params, ids_NS):
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _denoise(cfg, params, text, noise_NhwL, steps: int, guidance, shift):
   return t2i.denoise(Flux(cfg), params, text, noise_NhwL, steps, guidance, shift)
+
+
+def sample_workdir(workdir, step: int | None, prompts: list[str], per_prompt: int, size: tuple[int, int], steps: int,
+                   guidance: float, seed: int, max_sequence_length: int, latents_file: str | None):
+  """(pictures float32 [N, H, W, 3] in [0, 1], the step read): `per_prompt` pictures of each prompt, in order, from
+  the Flux.1 workdir at `step`; picture k of a prompt from the noise of (seed, k), or all from the packed latents
+  in `latents_file` (.npy, as FluxPipeline's latents=)."""
+  latents = None
+  if latents_file is not None:
+    try:
+      latents = np.load(latents_file)
+    except (OSError, ValueError) as e:
+      raise UserError(f"--latents {latents_file}: cannot read it as a .npy array ({e})") from None
+  pipeline, step = Pipeline.from_workdir(workdir, step)
+  width, height = size
+  index = np.tile(np.arange(per_prompt), len(prompts))
+  pictures = pipeline([p for p in prompts for _ in range(per_prompt)], height, width, steps, guidance,
+                      max_sequence_length, latents, seed, index)
+  return pictures, step

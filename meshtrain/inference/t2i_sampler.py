@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw, ImageFont
 from meshtrain import checkpoint, layout as layout_lib, mesh as mesh_lib, sharding
 from meshtrain.data import images as images_lib
 from meshtrain.errors import UserError
-from meshtrain.inference import dit_sampler, shapes_judge
+from meshtrain.inference import dit_sampler, flux_pipeline, shapes_judge
 
 GRID_CELL_PX = 96   # images are upscaled (nearest neighbour, whole multiples) to at least this many pixels
 GRID_GAP_PX = 4
@@ -125,9 +125,13 @@ def write(out, npy, pictures, prompts: list[str]) -> list[pathlib.Path]:
 
 
 def sample_workdir(cfg, workdir, step: int, asked: bool, prompts: list[str], per_prompt: int, steps: int,
-                   guidance: float, seed: int):
+                   guidance: float, seed: int, flux=None):
   """(images float32[N, H, W, C], step): `per_prompt` pictures of each prompt from the t2i run in `workdir` at
-  `step` (or, unless `asked`, the newest if a live run's retention deleted it), on cfg's mesh."""
+  `step` (or, unless `asked`, the newest if a live run's retention deleted it), on cfg's mesh. A Flux.1 pipeline's
+  workdir (model.pipeline) by its pipeline, with `flux`'s size, max_sequence_length and latents."""
+  if cfg.model.pipeline:
+    return flux_pipeline.sample_workdir(workdir, step if asked else None, prompts, per_prompt, flux.size, steps,
+                                        guidance, seed, flux.max_sequence_length, flux.latents)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   ways = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
   cfg.batch_size = -(-len(prompts) * per_prompt // ways) * ways

@@ -242,11 +242,14 @@ def read_params(read, expected: dict, leaves: dict) -> dict:
 
 def diffusers_tensors(expected: dict, leaf):
   """(diffusers name, array) pairs of meshtrain's parameters, one at a time: `leaf(path)` returns a leaf (numpy).
-  A single block's proj_out is put back together from its two column parts."""
+  A single block's proj_out is put back together from its two column parts. The names come leaf by leaf (every
+  layer's q, then every layer's k, ...), so that a `leaf` reading a checkpoint needs each stacked leaf once, and
+  two at a time for proj_out: the order of safetensors' files does not matter to diffusers."""
   parts = {}
   for (name, cols), t in expected.items():
     parts.setdefault(name, []).append((cols or (0, 0), t))
-  for name, pieces in parts.items():
+  first = lambda item: min(item[1], key=lambda p: p[0])[1]
+  for name, pieces in sorted(parts.items(), key=lambda item: (first(item).path, first(item).layer or 0)):
     arrays = []
     for _, t in sorted(pieces, key=lambda p: p[0]):
       w = leaf(t.path)
@@ -270,10 +273,11 @@ def leaf_shapes(c: FluxConfig) -> dict:
   return {path: tuple(leaf.shape) for path, leaf in flat.items()}
 
 
-def read_transformer(src: pathlib.Path, image_size: int, text_len: int, text_encoder: str) -> tuple:
+def read_transformer(src: pathlib.Path, image_size: int, text_len: int, text_encoder: str, allocate=None) -> tuple:
   """(FluxConfig, parameter tree of numpy arrays) of the diffusers transformer directory `src`, every tensor checked
   against its config.json by the safetensors headers before any is read. `text_encoder` names where the model's
-  prompt features come from (FluxConfig.text_encoder)."""
+  prompt features come from (FluxConfig.text_encoder). `allocate(path, shape, dtype)` makes each leaf's array
+  (default: zeros in memory; the converter passes memory-mapped files, so a model larger than memory converts)."""
   config = src / "config.json"
   if not config.is_file():
     raise UserError(f"{str(src)!r} has no config.json; pass the transformer/ directory of a diffusers Flux pipeline")
@@ -300,7 +304,8 @@ def read_transformer(src: pathlib.Path, image_size: int, text_len: int, text_enc
   param_dtype = "bfloat16" if dtypes == {"BF16"} else "float32"
   c = dataclasses.replace(c, param_dtype=param_dtype)
   dtype = np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
-  leaves = {path: np.zeros(shape, dtype) for path, shape in leaf_shapes(c).items()}
+  allocate = allocate or (lambda path, shape, dtype: np.zeros(shape, dtype))
+  leaves = {path: allocate(path, shape, dtype) for path, shape in leaf_shapes(c).items()}
   with contextlib.ExitStack() as stack:
     handles = {file: stack.enter_context(weights.open_safetensors(file)) for file in set(files.values())}
 
@@ -314,7 +319,7 @@ def read_transformer(src: pathlib.Path, image_size: int, text_len: int, text_enc
 def write_transformer(out: pathlib.Path, c: FluxConfig, params: dict) -> None:
   """Writes `params` (numpy or JAX arrays) as a diffusers FluxTransformer2DModel directory at `out` (absent or
   empty): config.json and diffusion_pytorch_model*.safetensors, staged beside it and renamed when complete."""
-  config = diffusers_config(c)
+  diffusers_config(c)  # a model diffusers cannot hold is refused before anything is written
   hf.check_output(out, "--out")
   flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(params))
   expected = tensors(c)
@@ -322,6 +327,10 @@ def write_transformer(out: pathlib.Path, c: FluxConfig, params: dict) -> None:
   if missing:
     raise UserError(f"the parameters lack {'/'.join(missing[0])}; not a Flux.1-shaped meshtrain checkpoint")
   with hf.staged(out) as tmp:
-    weights.write_safetensors(tmp, diffusers_tensors(expected, lambda path: np.asarray(flat[path])),
-                              stem="diffusion_pytorch_model")
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    write_files(tmp, c, lambda path: np.asarray(flat[path]))
+
+
+def write_files(directory: pathlib.Path, c: FluxConfig, leaf) -> None:
+  """The transformer's config.json and safetensors files into `directory`, its parameters from `leaf(path)`."""
+  weights.write_safetensors(directory, diffusers_tensors(tensors(c), leaf), stem="diffusion_pytorch_model")
+  (directory / "config.json").write_text(json.dumps(diffusers_config(c), indent=2))

@@ -23,8 +23,9 @@ def check(cfg) -> None:
   if "double_layers" not in m:
     raise UserError("task=t2i needs a text-to-image model group (double_layers, single_layers, text_len, ...); start "
                     "from configs/t2i_tiny.py (c.model = presets.t2i_model_config('tiny'))")
+  own = m.text_encoder == "own"  # the text_layers / heads / mlp_dim of the encoder trained with the model
   for key in ("image_size", "channels", "patch_size", "d_model", "num_heads", "mlp_dim", "text_len", "text_width",
-              "text_layers", "text_heads", "text_mlp_dim"):
+              *(("text_layers", "text_heads", "text_mlp_dim") if own else ())):
     if m[key] <= 0:
       raise UserError(f"config key 'model.{key}' must be positive, got {m[key]}")
   for key in ("double_layers", "single_layers"):
@@ -36,7 +37,7 @@ def check(cfg) -> None:
     raise UserError(f"model.image_size={m.image_size} is not divisible by model.patch_size={m.patch_size}; use a "
                     "patch size that divides it (e.g. 2 or 4 for 32x32 images)")
   for width, count, what in ((m.d_model, m.num_heads, "model.d_model / model.num_heads"),
-                             (m.text_width, m.text_heads, "model.text_width / model.text_heads")):
+                             *([(m.text_width, m.text_heads, "model.text_width / model.text_heads")] if own else [])):
     if width % count or (width // count) % 2:
       raise UserError(f"{what} = {width} / {count} must be a whole, even head width (RoPE rotates pairs)")
   head = m.d_model // m.num_heads
@@ -56,8 +57,14 @@ def check(cfg) -> None:
   config_lib.check_choice("model.remat", m.remat, REMAT_POLICIES)
   config_lib.check_choice("model.dtype", m.dtype, config_lib.DTYPES)
   config_lib.check_choice("model.param_dtype", m.param_dtype, config_lib.DTYPES)
-  if m.channels != 3:
+  if (m.text_encoder == "pipeline") != bool(m.pipeline):
+    raise UserError(f"model.text_encoder={m.text_encoder!r} with model.pipeline={m.pipeline!r}: a Flux.1 pipeline's "
+                    "model takes its prompts through that pipeline's encoders (text_encoder 'pipeline', pipeline the "
+                    "directory), every other model through its own or a language model's")
+  if m.channels != 3 and not m.pipeline:
     raise UserError(f"model.channels={m.channels}: task=t2i reads RGB pictures; set model.channels=3")
+  if m.pooled_width < 0:
+    raise UserError(f"model.pooled_width={m.pooled_width} must be >= 0 (0: the mean of the text features)")
   s = cfg.sample
   if s.steps <= 0 or s.per_prompt <= 0:
     raise UserError(f"sample.steps={s.steps} and sample.per_prompt={s.per_prompt} must be positive")
