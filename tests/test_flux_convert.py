@@ -2,18 +2,24 @@
 (meshtrain/interop/diffusers_pipeline.py), on a tiny random pipeline of every component saved by diffusers' own
 FluxPipeline.save_pretrained (tests/test_flux_pipeline.py builds it): the workdir samples what FluxPipeline draws
 from the same latents, exports back to a directory FluxPipeline loads with every tensor and file as it was, and
-every input it cannot take is one `error:` line, exit 2, nothing written."""
+the server answers prompts with the pictures `sample` draws, and every input it cannot take is one `error:` line,
+exit 2, nothing written."""
+import base64
 import filecmp
+import io
 import json
 import subprocess
 import sys
 
 import ml_collections
 import numpy as np
+import openai
 import pytest
 import torch
 from diffusers import FluxPipeline
+from PIL import Image
 from test_flux_pipeline import HEIGHT, PROMPTS, WIDTH, build
+from test_serve import start_server
 
 from meshtrain.cli import convert
 from meshtrain.errors import UserError
@@ -55,6 +61,24 @@ def test_the_workdir_samples_what_flux_pipeline_draws(dev, tmp_path):
   ours = np.load(tmp_path / "pictures.npy")
   assert ours.shape == theirs.shape and ours.dtype == np.float32
   assert np.abs(ours - theirs).max() < 1e-4  # as tests/test_flux_pipeline.py: measured ~2e-6
+
+
+def test_the_server_answers_with_the_pictures_sample_draws(dev, tmp_path):
+  _, _, workdir = dev
+  done = run_sample("--workdir", workdir, "--prompt", PROMPTS[0], "--n", 2, "--steps", 3, "--guidance", 2.5,
+                    "--seed", 5, "--out", tmp_path / "g.png", "--npy", tmp_path / "g.npz")
+  assert done.returncode == 0, done.stderr
+  pictures = np.round(np.load(tmp_path / "g.npz")["images"] * 255).astype(np.uint8)
+  assert pictures.shape == (2, HEIGHT, HEIGHT, 3)  # the run's size: --image-size of the conversion
+  proc, url = start_server(workdir, "--lazy")
+  try:
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+    served = client.images.generate(model=None, prompt=PROMPTS[0], n=2, response_format="b64_json",
+                                    extra_body={"seed": 5, "steps": 3, "guidance": 2.5})
+    np.testing.assert_array_equal(
+        np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(d.b64_json)))) for d in served.data]), pictures)
+  finally:
+    proc.kill()
 
 
 def test_to_diffusers_gives_back_what_it_was_given(dev, tmp_path):

@@ -1,8 +1,11 @@
 """inspect's expectation and plan for the text-to-image model (task=t2i): the analytic model (meshtrain/analysis/
 estimate.py with the task's cost model, meshtrain/families/t2i.py) against the compiled train step, and `plan` on
 configs/t2i_tiny.py."""
+import dataclasses
 import json
 
+import flax.linen as nn
+import jax
 import pytest
 from test_plan_dit import LAYOUTS  # the same four layouts as the DiT's
 
@@ -10,6 +13,7 @@ from meshtrain import config as config_lib, families
 from meshtrain.analysis import compiled as inspect_lib, estimate
 from meshtrain.cli import plan
 from meshtrain.families import t2i
+from meshtrain.models import flux
 from meshtrain.models.flux import FluxConfig
 
 T2I = "configs/t2i_tiny.py"
@@ -113,3 +117,50 @@ def test_plan_ranks_t2i_layouts(capsys):
   # 2.3M parameters: nothing needs splitting, and data parallelism moves the fewest bytes.
   best = out["best"]
   assert best["layout"] == "data=8" and best["images_per_sec_per_device"] > 0 and 0 < best["mfu"] <= 1
+
+
+# Flux.1-dev's form at the tiny preset's sizes (configs/flux_dev.py at full size): a frozen pipeline's cached text
+# features, CLIP's pooled vector of its own width, the guidance embedding, no text norm or mask.
+FLUX_DEV = ["--config.model.text_encoder=pipeline", "--config.model.pipeline=FLUX.1-dev",
+            "--config.model.pooled_width=48", "--config.model.guidance_embed=True", "--config.model.text_norm=False",
+            "--config.model.text_mask=False", "--config.model.channels=4", "--config.model.caption_dropout=0.0"]
+
+
+def test_flux_dev_form_params_equal_the_model_and_flops_count_the_guidance_mlp():
+  cfg = config_lib.load(T2I, FLUX_DEV)
+  c = FluxConfig.from_config(cfg.model)
+  model = families.cost_model(cfg)
+  # The parameters plan and inspect count (their table) are the initialised model's, to the element.
+  params = flux.Flux(c).init(jax.random.key(0), *t2i.model_inputs(c, 2))["params"]
+  count = sum(a.size for a in jax.tree.leaves(params))
+  sizes = {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+  assert estimate.estimate(cfg, sizes).params_bytes_total == count * 4  # float32
+  D, Q = c.d_model, flux.FREQUENCIES
+  shapes = {k: v.shape for k, v in nn.meta.unbox(model.abstract_params()).items() if not isinstance(v, dict)}
+  assert "text_norm" not in shapes and "text" not in params  # no norm of the features, no encoder's weights
+  assert shapes["vector_in"] == (48, D) and shapes["guidance_in"] == (Q, D) and shapes["guidance_out"] == (D, D)
+  # FLOPs: the guidance MLP (Q -> D -> D) once more than the time's, the vector MLP from the pooled width, no encoder.
+  plain = dataclasses.replace(c, guidance_embed=False)
+  assert t2i.flops_per_image(c) - t2i.flops_per_image(plain) == 3 * 2 * (Q * D + D * D)
+  own_width = dataclasses.replace(plain, pooled_width=0)  # the pooled vector the features' mean, text_width wide
+  assert t2i.flops_per_image(own_width) - t2i.flops_per_image(plain) == 3 * 2 * (c.text_width - 48) * D
+  assert model.flops_per_example(None) == t2i.flops_per_image(c)
+  assert model.batch_bytes_per_example(64) == (
+      32 * 32 * 4 * 4 + 32 * 128 * 4 + 32 + 48 * 4 + 4)  # latents, features, keep, pooled, seed
+
+
+# Against the compile (a fifth compile, 8 s; in the full suite only): the guidance embedder runs column-split as the
+# time MLP does, on a constant input: one more gathered hidden layer, its output weight's gradient not reduced, four
+# more all-to-alls of the condition (13); measured on JAX 0.10.2.
+@pytest.mark.slow
+def test_flux_dev_form_fsdp_collectives_equal_compiled():
+  r = inspect_lib.inspect(config_lib.load(T2I, ["--config.cpu_devices=8", LOOP, *FLUX_DEV, *LAYOUTS["fsdp=8"]]))
+  hand = {("all-gather", ("fsdp",)): LAYERS * (18 + 14 + 8 + 7) + 18, ("all-reduce", ("fsdp",)): 2 * LAYERS + 16,
+          ("all-to-all", ("fsdp",)): 13}
+  assert {(c.kind, c.axes): c.count for c in r.collectives} == hand
+  expected = {(c.kind, c.axes): c for c in r.expected.collectives}
+  assert {k: c.count for k, c in expected.items()} == hand
+  for c in r.collectives:
+    assert c.bytes == pytest.approx(expected[(c.kind, c.axes)].bytes, rel=1e-3)
+  assert r.params_bytes_per_device == r.expected.params_bytes_per_device
+  assert r.total_bytes_per_device == pytest.approx(r.expected.total_bytes_per_device, rel=0.06)

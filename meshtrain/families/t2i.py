@@ -34,6 +34,9 @@ from meshtrain.models.flux import PAD, Flux, FluxConfig, flops_per_image
 from meshtrain.tasks import t2i_config
 
 EVAL_TIMES = 8
+# The guidance a guidance-distilled model (Flux.1-dev) is trained at: its embedding's input for every training image,
+# so that fine-tuning keeps the distilled guidance of other scales as it was (as Flux.1-dev fine-tuners do).
+TRAIN_GUIDANCE = 1.0
 # Flux's resolution rule (its get_lin_function): mu at 256 and at 4,096 image tokens, linear between and beyond.
 SHIFT_TOKENS = (256, 4096)
 SHIFT_MU = (0.5, 1.15)
@@ -84,11 +87,13 @@ def without_caption(c: FluxConfig, text, drop_B):
   return {**text, "text_keep": jnp.logical_and(text["text_keep"], jnp.logical_not(drop_B)[:, None])}
 
 
-def velocity_error(apply_fn, params, x0_BHWC, eps_BHWC, t_B, text):
-  """Mean over each image's pixels of (v_pred - (eps - x0))^2 at x_t = (1 - t) x0 + t eps: [B]."""
+def velocity_error(model: Flux, params, x0_BHWC, eps_BHWC, t_B, text):
+  """Mean over each image's pixels of (v_pred - (eps - x0))^2 at x_t = (1 - t) x0 + t eps: [B]. A guidance-distilled
+  model (Flux.1-dev) is asked for TRAIN_GUIDANCE."""
   t_B111 = t_B[:, None, None, None]
   x_t_BHWC = (1 - t_B111) * x0_BHWC + t_B111 * eps_BHWC
-  v_BHWC = apply_fn({"params": params}, x_t_BHWC, t_B, text)
+  g_B = jnp.full(t_B.shape, TRAIN_GUIDANCE, jnp.float32) if model.cfg.guidance_embed else None
+  v_BHWC = model.apply({"params": params}, x_t_BHWC, t_B, text, g_B)
   return jnp.mean(jnp.square(v_BHWC - (eps_BHWC - x0_BHWC)), axis=(1, 2, 3))
 
 
@@ -147,7 +152,8 @@ def model_inputs(c: FluxConfig, batch_size: int) -> tuple:
   """The arguments after the PRNG key that `Flux(c).init` takes, as zeros of a batch_size batch."""
   spec = batch_spec(c, batch_size)
   return (jnp.zeros(spec["images"].shape, jnp.float32), jnp.zeros((batch_size,), jnp.float32),
-          text_of(c, {k: jnp.zeros(v.shape, v.dtype) for k, v in spec.items()}))
+          text_of(c, {k: jnp.zeros(v.shape, v.dtype) for k, v in spec.items()}),
+          jnp.ones((batch_size,), jnp.float32) if c.guidance_embed else None)
 
 
 UNSUPPORTED_AXES = {
@@ -176,7 +182,7 @@ class T2iTask:
   kind = "t2i"
   shape_fields = ("image_size", "channels", "patch_size", "d_model", "num_heads", "mlp_dim", "double_layers",
                   "single_layers", "text_len", "text_width", "text_layers", "text_heads", "text_mlp_dim",
-                  "text_encoder", "param_dtype")
+                  "text_encoder", "text_norm", "pooled_width", "guidance_embed", "param_dtype")
   throughput_key = "images_per_sec"
   units_per_example = 1
 
@@ -193,7 +199,7 @@ class T2iTask:
 
   def batch_axes(self) -> dict:
     text = {"captions": ("act_batch", None), "text_features": ("act_batch", None, None),
-            "text_keep": ("act_batch", None)}
+            "text_keep": ("act_batch", None), "text_pooled": ("act_batch", None)}
     return {"images": ("act_batch", None, None, None), **{k: text[k] for k in text_keys(self.model_cfg)},
             "seeds": ("act_batch",)}
 
@@ -206,7 +212,7 @@ class T2iTask:
     draw = jax.vmap(lambda seed, x: noise_and_time(seed, x, self.shift, c.caption_dropout))
     t_B, eps_BHWC, drop_B = draw(batch["seeds"], batch["images"])
     text = without_caption(c, text_of(c, batch), drop_B)
-    losses_B = velocity_error(self.model.apply, params, batch["images"].astype(jnp.float32), eps_BHWC, t_B, text)
+    losses_B = velocity_error(self.model, params, batch["images"].astype(jnp.float32), eps_BHWC, t_B, text)
     loss_sum = jnp.sum(losses_B)
     return loss_sum, {"loss_sum": loss_sum, "count": jnp.asarray(losses_B.shape[0], jnp.float32)}
 
@@ -223,7 +229,7 @@ class T2iTask:
     sums = {}
     for k in range(EVAL_TIMES):
       t_B = jnp.full((x0_BHWC.shape[0],), (k + 0.5) / EVAL_TIMES, jnp.float32)
-      sums[f"loss_t{k}"] = jnp.sum(velocity_error(self.model.apply, params, x0_BHWC, eps_BHWC, t_B,
+      sums[f"loss_t{k}"] = jnp.sum(velocity_error(self.model, params, x0_BHWC, eps_BHWC, t_B,
                                                   text_of(self.model_cfg, batch)))
     return {**sums, "count": jnp.asarray(x0_BHWC.shape[0], jnp.float32)}
 
@@ -418,16 +424,19 @@ class CostModel:
       fsdp: every split block weight gathered for its forward use, and again for its backward use but for the
         biases (a bias's gradient is its output's, summed: the backward pass does not read it, unless full remat
         recomputes the forward there). Outside the blocks
-        every split weight once, but three: the time and vector embedders' first layers run column-split over the
+        every split weight once, but these: the time and vector embedders' first layers run column-split over the
         fsdp group's whole batch (as the DiT's time MLP), gathering their inputs, the timestep features [b x fsdp,
-        Q] and the pooled text [b x fsdp, G], in the forward pass and their hidden layers [b x fsdp, D] in the
-        backward one, and the own encoder's byte embedding is looked up slice by slice with the caption ids
+        Q] and the pooled text [b x fsdp, U] (U: pooled_width, else G), in the forward pass and their hidden layers
+        [b x fsdp, D] in the backward one; a distilled model's guidance embedder (guidance_embed, Flux.1-dev) the
+        same way, but its input is the constant training guidance (no gather), so only its hidden layer is
+        gathered; and the own encoder's byte embedding is looked up slice by slice with the caption ids
         gathered [b x fsdp, S], as the LM's; txt_in is gathered again for the backward pass (the gradient goes on
         into the text). Gradients: one reduction per block, one per other split gradient (XLA does not combine
         them) but the embedders' output weights (whole on each device after the column-split first layers) and
         the byte embedding's, and one for the rest. All-to-alls: nine of the condition [b, D] between the
-        embedders' column split and the batch split (forward and gradients), and the own encoder's looked-up
-        bytes [b, S, G] re-split by batch and back (two, in the parameter dtype);
+        embedders' column split and the batch split (forward and gradients), four more with the guidance
+        embedder (13; compiled for a Flux.1-dev-shaped tiny config, tests/test_t2i_inspect.py), and the own
+        encoder's looked-up bytes [b, S, G] re-split by batch and back (two, in the parameter dtype);
       tensor: the modulation is not split (it acts on the whole residual stream), so per block the outputs of
         the attention and the MLP are all-reduced ([b, l, width] each) and, in the backward pass, the input
         gradients of Q/K/V (3 x [b, l, width], with the q/k norm scales' partial gradients) and of the MLP's
@@ -445,7 +454,8 @@ class CostModel:
     c, accum = self.model_cfg, self.cfg.optimizer.grad_accum_steps
     tensor, fsdp = sizes["tensor"], sizes["fsdp"]
     S, J, D, G, E = c.text_len, c.text_len + c.tokens, c.d_model, c.text_width, c.head_dim
-    own = c.text_encoder == "own"
+    U = c.pooled_width or G  # the pooled vector's width: a given one's (Flux.1: CLIP's), else the features' mean
+    own, guided = c.text_encoder == "own", int(c.guidance_embed)
     stacks = self.stacks(sizes)
     layers = sum(s.layers for s in stacks)
     in_stacks = lambda row: any(row.path.startswith(s.prefix) for s in stacks)
@@ -453,7 +463,7 @@ class CostModel:
     out = costs.CollectiveList(sizes)
     add = out.add
     if sizes["data"] > 1 or fsdp > 1:
-      unreduced = {"time_out", "vector_out", "text/embedding"} if fsdp > 1 else set()
+      unreduced = {"time_out", "vector_out", "guidance_out", "text/embedding"} if fsdp > 1 else set()
       reduced = [r for r in gathered if r.path not in unreduced]
       others = len([r for r in reduced if not in_stacks(r) and r.path in split]) if fsdp > 1 else 0
       add("all-reduce", ("data", "fsdp"), accum * (layers + 1 + others),
@@ -463,16 +473,19 @@ class CostModel:
       # The backward pass reads the [layers, ...] matrices again, not the [layers, D] biases, unless it recomputes
       # the forward (full remat).
       again = [g for g in blocks if len(g.shape) > 2 or c.remat == "full"]
-      column_split = {"time_in", "time_in_bias", "vector_in", "vector_in_bias", "text/embedding"}
+      column_split = {"time_in", "time_in_bias", "vector_in", "vector_in_bias", "guidance_in", "guidance_in_bias",
+                      "text/embedding"}
       outside = [g for g in gathered if not in_stacks(g) and g.path in split and g.path not in column_split]
       outside += [g for g in gathered if g.path == "txt_in"]
-      # Batch rows gathered [b x fsdp, ...]: timestep features, pooled text, two hidden layers; the caption ids.
-      features, ids = flux.FREQUENCIES + G + 2 * D, (S if own else 0)
-      add("all-gather", ("fsdp",), accum * (sum(g.shape[0] for g in blocks + again) + len(outside) + 4 + own),
+      # Batch rows gathered [b x fsdp, ...]: timestep features, pooled text, two hidden layers (and the guidance
+      # embedder's hidden layer); the caption ids.
+      features, ids = flux.FREQUENCIES + U + (3 if guided else 2) * D, (S if own else 0)
+      add("all-gather", ("fsdp",),
+          accum * (sum(g.shape[0] for g in blocks + again) + len(outside) + 4 + guided + own),
           accum * (sum(g.bytes_per_device for g in blocks + again + outside) + b * fsdp * (features * act + ids * 4)))
-      lookups = 2 if own else 0
-      add("all-to-all", ("fsdp",), accum * (9 + lookups),
-          accum * (9 * b * D * act + lookups * b * S * G * jnp.dtype(c.param_dtype).itemsize))
+      lookups, moves = (2 if own else 0), (13 if guided else 9)
+      add("all-to-all", ("fsdp",), accum * (moves + lookups),
+          accum * (moves * b * D * act + lookups * b * S * G * jnp.dtype(c.param_dtype).itemsize))
     if tensor > 1:
       # Per block: (forward all-reduces, their [b, ...] bytes; backward all-reduces, their bytes), q/k norm
       # scales' partial gradients (float32) with the Q/K/V input gradients.

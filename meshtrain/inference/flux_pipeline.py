@@ -113,28 +113,72 @@ class Pipeline:
     `latents=`) or from normal noise: picture i's of (seed, index[i]) (default index i), the same whatever else is
     drawn beside it. `guidance` is the distilled model's guidance embedding (dev); schnell has none and guides
     nothing, as FluxPipeline."""
-    flux_cfg, flux_params = self.transformer
-    vae_cfg, vae_params = self.vae
-    unit = 2 * vae_cfg.downsample  # FluxPipeline's: the VAE's downsampling times the 2x2 packing (16 for Flux.1)
-    if height % unit or width % unit or height <= 0 or width <= 0:
-      raise UserError(f"--size {width}x{height}: this pipeline takes sides that are positive multiples of {unit} "
-                      f"(its VAE's {vae_cfg.downsample}x times the 2x2 patches)")
-    h, w = height // vae_cfg.downsample, width // vae_cfg.downsample
+    h, w = self.latent_size(height, width)
     n = len(prompts)
-    expected = (n, (h // 2) * (w // 2), flux_cfg.channels * 4)
+    expected = (n, (h // 2) * (w // 2), self.transformer[0].channels * 4)
     if latents is None:
-      index = np.arange(n) if index is None else np.asarray(index)
-      latents = pack(jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(jax.random.key(seed), i),
-                                                          (h, w, flux_cfg.channels), jnp.float32))(index))
+      z_NhwL = self.noise(np.full(n, seed, np.uint32), np.arange(n) if index is None else np.asarray(index), h, w)
     elif tuple(np.shape(latents)) != expected:
       raise UserError(f"--latents has shape {list(np.shape(latents))}; {n} prompt(s) at {width}x{height} take "
                       f"{list(expected)} (packed, as FluxPipeline's latents=)")
-    text = self.prompt_features(prompts, max_sequence_length)
-    cfg = dataclasses.replace(flux_cfg, image_size=h, text_len=max_sequence_length)
-    z_NhwL = _denoise(cfg, flux_params, text, unpack(jnp.asarray(latents, jnp.float32), h, w), steps,
-                      guidance if cfg.guidance_embed else None, self.shift(expected[1]))
-    pictures = vae.decode(vae_cfg, vae_params, z_NhwL.astype(jnp.float32))
+    else:
+      z_NhwL = unpack(jnp.asarray(latents, jnp.float32), h, w)
+    return self.draw(self.transformer[1], self.prompt_features(prompts, max_sequence_length), z_NhwL, steps, guidance)
+
+  def latent_size(self, height: int, width: int) -> tuple[int, int]:
+    """(h, w) of a height x width picture, which must be a whole number of the VAE's pixels times 2x2 patches."""
+    down = self.vae[0].downsample
+    if height % (2 * down) or width % (2 * down) or height <= 0 or width <= 0:
+      raise UserError(f"--size {width}x{height}: this pipeline takes sides that are positive multiples of {2 * down} "
+                      f"(its VAE's {down}x times the 2x2 patches)")
+    return height // down, width // down
+
+  def noise(self, seeds_N, index_N, h: int, w: int):
+    """Starting latents [N, h, w, L]: row i's from (seeds[i], index[i]), whatever else is drawn beside it."""
+    shape = (h, w, self.transformer[0].channels)
+    return jax.vmap(lambda s, i: jax.random.normal(jax.random.fold_in(jax.random.key(s), i), shape, jnp.float32))(
+        jnp.asarray(seeds_N, jnp.uint32), jnp.asarray(index_N))
+
+  def draw(self, params, text: dict, z_NhwL, steps: int, guidance) -> np.ndarray:
+    """Pictures [N, H, W, 3] in [0, 1] from starting latents: the transformer (`params`) in `steps` Euler steps,
+    then the VAE's decoder. `guidance`: one scale or one per picture (dev's embedding; schnell ignores it)."""
+    flux_cfg, _ = self.transformer
+    _, h, w, _ = z_NhwL.shape
+    cfg = dataclasses.replace(flux_cfg, image_size=h, text_len=text["text_features"].shape[1])
+    z_NhwL = _denoise(cfg, params, text, z_NhwL, steps, guidance if cfg.guidance_embed else None,
+                      self.shift((h // 2) * (w // 2)))
+    pictures = vae.decode(self.vae[0], self.vae[1], z_NhwL.astype(jnp.float32))
     return np.asarray(jnp.clip(pictures / 2 + 0.5, 0, 1))
+
+
+class PromptFeatures:
+  """The text condition of prompts for the server's PromptEngine (images_lib.Captions' interface): T5's features at
+  the run's prompt length, their mask (all kept: Flux attends over padding) and CLIP's pooled vector."""
+
+  def __init__(self, pipeline: Pipeline, text_len: int):
+    self.pipeline, self.text_len = pipeline, text_len
+
+  def __call__(self, prompts: list[str]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in self.pipeline.prompt_features(prompts, self.text_len).items()}
+
+  def blank(self, n: int) -> dict[str, np.ndarray]:
+    """Zeros of the same shapes for n rows: a batch's padding, and what programs are warmed with."""
+    (clip_cfg, _), (t5_cfg, _) = self.pipeline.clip, self.pipeline.t5
+    return {"text_features": np.zeros((n, self.text_len, t5_cfg.d_model), np.float32),
+            "text_keep": np.ones((n, self.text_len), bool), "text_pooled": np.zeros((n, clip_cfg.d_model), np.float32)}
+
+
+class Sampler:
+  """The server's sampler of pictures at one step count (t2i_sampler.Sampler's interface): (params, texts, seeds,
+  index, guidance per picture) -> pictures [N, side, side, 3] in [0, 1]."""
+
+  def __init__(self, pipeline: Pipeline, steps: int, side: int):
+    self.pipeline, self.steps = pipeline, steps
+    self.h, self.w = pipeline.latent_size(side, side)
+
+  def __call__(self, params, texts: dict, seeds_N, index_N, guidance_N) -> np.ndarray:
+    z_NhwL = self.pipeline.noise(seeds_N, index_N, self.h, self.w)
+    return self.pipeline.draw(params, texts, z_NhwL, self.steps, jnp.asarray(guidance_N, jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -33,7 +33,7 @@ from PIL import Image
 from meshtrain import checkpoint, layout as layout_lib, mesh as mesh_lib
 from meshtrain.data import digits, images as images_lib
 from meshtrain.errors import UserError
-from meshtrain.inference import dit_request, dit_sampler, t2i_sampler
+from meshtrain.inference import dit_request, dit_sampler, flux_pipeline, t2i_sampler
 from meshtrain.inference.engine import QueueFull
 from meshtrain.inference.live import LiveCheckpoints
 
@@ -72,7 +72,8 @@ class ServedParams:
   parameters (what every compiled sampler was compiled for)."""
 
   def __init__(self, layout, params):
-    self.params, self.shardings = params, layout.state_sharding.params
+    """`layout` None: the parameters are served from the host as read (a Flux.1 pipeline's, on one device)."""
+    self.params, self.shardings = params, None if layout is None else layout.state_sharding.params
 
   def load_step(self, workdir, step: int):
     """The parameters (or their average) of `workdir`'s checkpoint at `step`, in the served shardings."""
@@ -307,7 +308,7 @@ def from_workdir(workdir, step: int, cfg, max_queue: int = 64, max_n: int = 8, a
   """`prompt_engine` for a text-to-image run, else `class_engine`; with `follow_s` > 0 (and no step `asked` for),
   following the run's newer checkpoints, looked for every follow_s seconds; `warm_first`: every program sampled
   with once before the first request (`ImageEngine.warm`)."""
-  make = prompt_engine if cfg.task == "t2i" else class_engine
+  make = (flux_engine if cfg.model.get("pipeline") else prompt_engine) if cfg.task == "t2i" else class_engine
   engine = make(workdir, step, cfg, max_queue, max_n, asked, warm_first)
   if follow_s > 0 and not asked:
     engine.live = LiveCheckpoints(workdir, engine.step_served, follow_s)
@@ -325,6 +326,19 @@ def prompt_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bo
   samplers = functools.cache(lambda steps: t2i_sampler.Sampler(layout, steps, s.guidance))
   return PromptEngine(samplers, params, images_lib.Captions(m), (m.image_size, m.image_size, m.channels), step, s.steps,
                       s.guidance, max_queue, max_n, served=ServedParams(layout, params), warm_first=warm_first)
+
+
+def flux_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bool,
+                warm_first: bool = False) -> PromptEngine:
+  """A PromptEngine of a Flux.1 pipeline's workdir (convert from-diffusers, or a run fine-tuned from one) at
+  `step`: pictures of the run's size, sampled as diffusers' FluxPipeline samples them, on one device."""
+  pipeline, step = flux_pipeline.Pipeline.from_workdir(workdir, step if asked else None)
+  side = cfg.model.image_size * pipeline.vae[0].downsample
+  samplers = functools.cache(lambda steps: flux_pipeline.Sampler(pipeline, steps, side))
+  params = pipeline.transformer[1]
+  return PromptEngine(samplers, params, flux_pipeline.PromptFeatures(pipeline, cfg.model.text_len), (side, side, 3),
+                      step, cfg.sample.steps, cfg.sample.guidance, max_queue, max_n, served=ServedParams(None, params),
+                      warm_first=warm_first)
 
 
 def class_engine(workdir, step: int, cfg, max_queue: int, max_n: int, asked: bool,

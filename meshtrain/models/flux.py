@@ -408,7 +408,8 @@ def flops_per_image(c: FluxConfig) -> float:
 
   Forward, 2 FLOPs per multiply-add, T image and S text tokens, J = S + T:
     text encoder per layer   2 S 4 G G (q, k, v, out) + 4 S S G (attention) + 2 S 2 G F_t (MLP); the own one only
-    embeddings               2 T X D (patches) + 2 S G D (txt_in) + 2 (Q D + D D) + 2 (G D + D D) (time, vector)
+    embeddings               2 T X D (patches) + 2 S G D (txt_in) + 2 (Q D + D D) + 2 (U D + D D) (time, vector:
+                             U the pooled vector's width, pooled_width or G) [+ 2 (Q D + D D): guidance_embed's]
     double block             2 D 12 D (modulation) + 2 J 4 D D + 4 J J D + 2 J 2 D F
     single block             2 D 3 D + 2 J 4 D D + 4 J J D + 2 J 2 D F
     final                    2 D 2 D + 2 T D X
@@ -419,7 +420,9 @@ def flops_per_image(c: FluxConfig) -> float:
   # A frozen encoder's features are computed once per caption, not per training step.
   encoder = 0 if c.text_encoder != "own" else c.text_layers * (
       2 * S * 4 * G * G + 4 * S * S * G + 2 * S * 2 * G * c.text_mlp_dim)
-  embed = 2 * T * X * D + 2 * S * G * D + 2 * (Q * D + D * D) + 2 * (G * D + D * D)
+  U = c.pooled_width or G
+  timestep = 2 * (Q * D + D * D)  # a timestep MLP: the time's, and the guidance scale's of a distilled model
+  embed = 2 * T * X * D + 2 * S * G * D + timestep * (2 if c.guidance_embed else 1) + 2 * (U * D + D * D)
   joint = 2 * J * 4 * D * D + 4 * J * J * D + 2 * J * 2 * D * c.mlp_dim
   blocks = c.double_layers * (2 * D * 12 * D + joint) + c.single_layers * (2 * D * 3 * D + joint)
   return 3.0 * (encoder + embed + blocks + 2 * D * 2 * D + 2 * T * D * X)
